@@ -1,0 +1,167 @@
+"""Precision policy: which dtype each tensor lives in, and how matmuls are computed.
+
+A `Policy` is a frozen dataclass decided once per run (from a config string) and passed to every
+module. Nothing in the library reads a global matmul-precision flag: every `einsum`/`dot` goes
+through `Policy.einsum`, which passes `precision=` explicitly.
+
+Presets (names accepted by `parse_policy`):
+
+| name         | params | compute | output | matmul    | loss scale |
+|--------------|--------|---------|--------|-----------|------------|
+| `fp32`       | f32    | f32     | f32    | highest   | none       |
+| `fp32-fast`  | f32    | f32     | f32    | default   | none       |
+| `bf16-mixed` | f32    | bf16    | f32    | default   | none       |
+| `fp16-mixed` | f32    | f16     | f32    | default   | dynamic    |
+| `bf16`       | bf16   | bf16    | f32    | default   | none       |
+
+`fp32` is true IEEE fp32 even on TPU and H100 (`highest` = no bf16 passes, no TF32).
+`fp32-fast` keeps fp32 storage but lets XLA use its default (bf16 passes on TPU, TF32 on GPU).
+
+Levanter/jmp-style strings are accepted too: `p=f32,c=bf16[,o=f32][,m=highest][,s=dynamic]`
+(keys p=param, c=compute, o=output, m=matmul precision, s=loss scale).
+
+Whatever the policy, the fp32 islands (RWKV-7 decay, WKV state, norm statistics, `kk`
+normalisation, logits and loss, optimizer moments) are computed in float32 by the modules that
+own them; the policy never reaches inside those.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+DTYPES: dict[str, Any] = {
+    "f32": jnp.float32, "fp32": jnp.float32, "float32": jnp.float32,
+    "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16, "fp16": jnp.float16, "float16": jnp.float16,
+}
+MATMUL_PRECISIONS = ("default", "high", "highest")
+LOSS_SCALES = ("none", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """Dtypes and matmul precision for one run.
+
+    Attributes:
+      name: the preset or string the policy was parsed from (for logs and checkpoints).
+      param_dtype: dtype parameters are stored (and optimised) in.
+      compute_dtype: dtype of activations and matmul operands outside the fp32 islands.
+      output_dtype: dtype of the model's returned logits (logits are computed in fp32 and stay
+        fp32 unless this says otherwise; the loss is always fp32).
+      matmul_precision: XLA precision name ("default" | "high" | "highest"), passed explicitly to
+        every einsum/dot.
+      loss_scale: "none" or "dynamic" (fp16 training: see `DynamicLossScale`).
+    """
+
+    name: str
+    param_dtype: Any = jnp.float32
+    compute_dtype: Any = jnp.float32
+    output_dtype: Any = jnp.float32
+    matmul_precision: str = "highest"
+    loss_scale: str = "none"
+
+    def __post_init__(self):
+        if self.matmul_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"precision policy {self.name!r}: matmul precision "
+                             f"{self.matmul_precision!r} is not one of {MATMUL_PRECISIONS}")
+        if self.loss_scale not in LOSS_SCALES:
+            raise ValueError(f"precision policy {self.name!r}: loss scale {self.loss_scale!r} "
+                             f"is not one of {LOSS_SCALES}")
+
+    @property
+    def lax_precision(self) -> jax.lax.Precision:
+        return jax.lax.Precision(self.matmul_precision)
+
+    def cast_to_compute(self, x):
+        """Cast floating arrays (or a pytree of them) to `compute_dtype`; ints pass through."""
+        return _cast_floats(x, self.compute_dtype)
+
+    def cast_to_param(self, x):
+        return _cast_floats(x, self.param_dtype)
+
+    def cast_to_output(self, x):
+        return _cast_floats(x, self.output_dtype)
+
+    def einsum(self, spec: str, *operands, out_dtype=None):
+        """`jnp.einsum` with operands in `compute_dtype` and this policy's explicit precision.
+
+        Accumulation is fp32 on every backend (`preferred_element_type=float32`); the result is
+        returned in `out_dtype` (default: `compute_dtype`).
+        """
+        ops = [x.astype(self.compute_dtype) for x in operands]
+        y = jnp.einsum(spec, *ops, precision=self.lax_precision,
+                       preferred_element_type=jnp.float32)
+        return y.astype(self.compute_dtype if out_dtype is None else out_dtype)
+
+    def einsum_f32(self, spec: str, *operands):
+        """fp32 einsum for the fp32 islands (logits, decay): operands upcast, result float32.
+
+        Uses this policy's matmul precision; under `fp32` that is IEEE fp32.
+        """
+        ops = [x.astype(jnp.float32) for x in operands]
+        return jnp.einsum(spec, *ops, precision=self.lax_precision,
+                          preferred_element_type=jnp.float32)
+
+
+def _cast_floats(tree, dtype):
+    def cast(x):
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating):
+            return x.astype(dtype)
+        return x
+    return jax.tree.map(cast, tree)
+
+
+PRESETS: dict[str, Policy] = {
+    "fp32": Policy("fp32", jnp.float32, jnp.float32, jnp.float32, "highest"),
+    "fp32-fast": Policy("fp32-fast", jnp.float32, jnp.float32, jnp.float32, "default"),
+    "bf16-mixed": Policy("bf16-mixed", jnp.float32, jnp.bfloat16, jnp.float32, "default"),
+    "fp16-mixed": Policy("fp16-mixed", jnp.float32, jnp.float16, jnp.float32, "default",
+                         "dynamic"),
+    "bf16": Policy("bf16", jnp.bfloat16, jnp.bfloat16, jnp.float32, "default"),
+}
+
+_KEYS = {"p": "param_dtype", "c": "compute_dtype", "o": "output_dtype",
+         "m": "matmul_precision", "s": "loss_scale"}
+
+
+def parse_policy(spec: str | Policy) -> Policy:
+    """Parse a preset name (`bf16-mixed`) or a `p=f32,c=bf16` string into a `Policy`.
+
+    Raises ValueError naming the bad part and listing what is valid.
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str) or not spec.strip():
+        raise ValueError(f"precision: expected a preset name or 'p=..,c=..' string, got {spec!r}; "
+                         f"presets: {', '.join(PRESETS)}")
+    text = spec.strip().lower()
+    if text in PRESETS:
+        return PRESETS[text]
+    if "=" not in text:
+        raise ValueError(f"precision: unknown preset {spec!r}; valid presets: "
+                         f"{', '.join(PRESETS)} (or a string like 'p=f32,c=bf16')")
+    fields: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, value = (s.strip() for s in part.partition("="))
+        if not sep or key not in _KEYS:
+            raise ValueError(f"precision: bad part {part.strip()!r} in {spec!r}; keys are "
+                             "p=param, c=compute, o=output dtype, m=matmul precision, s=loss scale")
+        field = _KEYS[key]
+        if field.endswith("dtype"):
+            if value not in DTYPES:
+                raise ValueError(f"precision: unknown dtype {value!r} for {key}= in {spec!r}; "
+                                 f"valid dtypes: {', '.join(sorted(set(DTYPES)))}")
+            fields[field] = DTYPES[value]
+        else:
+            fields[field] = value
+    fields.setdefault("param_dtype", jnp.float32)
+    fields.setdefault("compute_dtype", fields["param_dtype"])
+    fields.setdefault("output_dtype", jnp.float32)
+    compute_is_f32 = jnp.dtype(fields["compute_dtype"]) == jnp.float32
+    fields.setdefault("matmul_precision", "highest" if compute_is_f32 else "default")
+    is_f16 = jnp.dtype(fields["compute_dtype"]) == jnp.float16
+    fields.setdefault("loss_scale", "dynamic" if is_f16 else "none")
+    return Policy(name=spec.strip(), **fields)
