@@ -1,0 +1,185 @@
+"""Byte, RWKV World (against the official tokenizer) and Hugging Face tokenizers."""
+import importlib.util
+
+import numpy as np
+import pytest
+
+from lwm_jax.tokenizers import ByteTokenizer, HFTokenizer, WorldTokenizer, get_tokenizer
+from lwm_jax.tokenizers.world import find_world_vocab, read_world_vocab
+
+SAMPLE = (
+    "The quick brown fox jumps over the lazy dog. It's 3.14159 o'clock!\n"
+    "中文：人工智能正在改变世界，这是一个测试句子。\n"
+    "日本語：吾輩は猫である。名前はまだ無い。カタカナとひらがな。\n"
+    "한국어 문장입니다. Русский текст, Ελληνικά, عربى, हिन्दी\n"
+    "Emoji: 😀🎉👍🏽 👨‍👩‍👧‍👦 🇺🇸\n"
+    "def f(x):\n\treturn {'a': [1, 2, 3], \"b\": x ** 2}  # comment\n"
+    "    indented\n        more\n\n\n\n" + " " * 200 + "\t\t\t\r\n" + "-" * 90 + "=" * 33 + "\n"
+    "café naïve façade Ünïcödé “quotes” — dash … ellipsis\n"
+)
+
+
+def _random_text(seed, n_chars):
+    """Mixed-script text from a seeded generator: ASCII words, whitespace runs, CJK, kana, emoji."""
+    rng = np.random.default_rng(seed)
+    ranges = [(0x20, 0x7E), (0x4E00, 0x9FFF), (0x3040, 0x30FF), (0x0400, 0x04FF), (0x1F300, 0x1F64F),
+              (0x00A0, 0x00FF), (0xAC00, 0xD7A3)]
+    words = ["the", " and", "def ", "return", "self.", "  ", "\n", "\t", "    ", "=", "()", "的", "是"]
+    parts = []
+    while sum(map(len, parts)) < n_chars:
+        if rng.random() < 0.5:
+            parts.append(words[rng.integers(len(words))])
+        else:
+            lo, hi = ranges[rng.integers(len(ranges))]
+            parts.append("".join(chr(c) for c in rng.integers(lo, hi + 1, size=rng.integers(1, 6))))
+    return "".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ byte
+def test_byte_round_trips_text_and_bytes():
+    tok = ByteTokenizer()
+    text = SAMPLE + "\x00 nul inside"
+    ids = tok.encode(text)
+    assert ids == list(text.encode("utf-8")) and tok.decode(ids) == text
+    assert (tok.vocab_size, tok.eod_id) == (256, 0)
+    data = bytes(np.random.default_rng(0).integers(0, 256, 4096, dtype=np.uint8))
+    assert tok.decode_bytes(tok.encode_bytes(data)) == data
+    np.testing.assert_array_equal(tok.encode_array(text), ids)
+    assert tok.decode_bytes(np.array(ids)) == text.encode("utf-8")
+    assert tok.decode([0xE4, 0xB8]) == "\ufffd"  # a cut character decodes to U+FFFD
+    with pytest.raises(ValueError, match=r"ids must lie in \[0, 256\), got 300"):
+        tok.decode([1, 300])
+    with pytest.raises(TypeError, match="encode_bytes"):
+        tok.encode(b"abc")
+
+
+# ------------------------------------------------------------------------------------------ world
+def _tiny_vocab(path, extra):
+    lines = [f"{b + 1} {bytes([b])!r} 1" for b in range(256)]
+    lines += [f"{257 + i} {t!r} {len(t.encode('utf-8') if isinstance(t, str) else t)}" for i, t in enumerate(extra)]
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_world_greedy_longest_match_on_tiny_vocab(tmp_path):
+    tok = WorldTokenizer(_tiny_vocab(tmp_path / "v.txt", ["ab", "abcd", "bc", "é", b"\xff\xfe"]))
+    a, b, c, x = (ord(ch) + 1 for ch in "abcx")
+    # "abcx": "abcd" does not match, so the walk falls back to the longest token ending earlier ("ab")
+    assert tok.encode("abcx") == [257, c, x]
+    assert tok.encode("abcdbc") == [258, 259]
+    assert tok.encode("é") == [260]
+    assert tok.encode_bytes(b"\xff\xfe\xff") == [261, 256]
+    assert tok.decode_bytes([261, 0, 257]) == b"\xff\xfeab"  # id 0 (end of document) is empty
+    with pytest.raises(ValueError, match="id 999 is not in the World vocabulary"):
+        tok.decode([1, 999])
+    with pytest.raises(ValueError, match="id -1 is not in the World vocabulary"):
+        tok.decode([-1])
+
+
+@pytest.mark.parametrize("line, message", [
+    ("257 'ab' 3", "token is 2 bytes but the line says 3"),
+    ("257 __import__('os').system('echo pwned') 5", "cannot parse vocabulary entry"),
+    ("5 'zz' 2", "id 5 is duplicated"),
+    ("257 b'a' 1", "already has id 98"),
+    ("257 12 2", "must be a non-empty str or bytes"),
+    ("nonsense", "expected '<id> <literal> <n_bytes>'"),
+])
+def test_world_vocab_errors_name_file_and_line(tmp_path, line, message):
+    path = _tiny_vocab(tmp_path / "v.txt", [])
+    path.write_text(path.read_text() + line + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=message) as err:
+        read_world_vocab(path)
+    assert f"{path}:257" in str(err.value)
+
+
+def test_world_vocab_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="World vocabulary file .* not found"):
+        get_tokenizer(f"world:{tmp_path}/none.txt")
+
+
+def _official_vocab():
+    try:
+        return find_world_vocab()
+    except FileNotFoundError:
+        return None
+
+
+needs_vocab = pytest.mark.skipif(_official_vocab() is None, reason="rwkv_vocab_v20230424.txt not available")
+
+
+@pytest.fixture(scope="module")
+def world():
+    return WorldTokenizer()
+
+
+@needs_vocab
+def test_world_matches_official_tokenizer(world):
+    if importlib.util.find_spec("rwkv") is None:
+        pytest.skip("the rwkv package (official tokenizer) is not installed")
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+    official = TRIE_TOKENIZER(str(world.vocab_path))
+    texts = [SAMPLE, _random_text(0, 30_000), _random_text(1, 3_000), "a", " ", "\n\n", "x" * 1000]
+    for text in texts:
+        ids = world.encode(text)
+        assert ids == official.encode(text)
+        assert world.decode(ids) == text
+    assert world.vocab_size == 65536 and world.eod_id == 0
+    assert max(world.encode(SAMPLE)) <= 65529 and min(world.encode(SAMPLE)) >= 1
+
+
+@needs_vocab
+def test_world_known_ids_and_bytes_round_trip(world):
+    # ids read from the vocabulary file: "\n" is line 11 (byte 10 -> id 11); a 128-space token is 65529
+    assert world.encode("\n") == [11]
+    assert world.encode(" " * 128) == [65529]
+    data = bytes(np.random.default_rng(5).integers(0, 256, 5000, dtype=np.uint8))  # not UTF-8
+    assert world.decode_bytes(world.encode_bytes(data)) == data
+
+
+# ------------------------------------------------------------------------------------------ hf
+def _hf_file(tmp_path, with_eos_zero=True):
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import models, pre_tokenizers, decoders, trainers
+
+    tk = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    special = ["<|endoftext|>", "<unk>"] if with_eos_zero else ["<unk>", "<pad>"]
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=special,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tk.train_from_iterator([SAMPLE, _random_text(2, 2000)] * 3, trainer)
+    path = tmp_path / "tokenizer.json"
+    tk.save(str(path))
+    return path
+
+
+def test_hf_wraps_tokenizers_and_finds_eod(tmp_path):
+    import tokenizers
+
+    path = _hf_file(tmp_path)
+    tok = get_tokenizer(f"hf:{path}")
+    ref = tokenizers.Tokenizer.from_file(str(path))
+    ids = tok.encode(SAMPLE)
+    assert ids == ref.encode(SAMPLE, add_special_tokens=False).ids
+    assert tok.decode(ids) == SAMPLE
+    assert tok.eod_id == 0 and tok.vocab_size == ref.get_vocab_size(with_added_tokens=True)
+    assert HFTokenizer(path, eod_token="<unk>").eod_id == 1
+    with pytest.raises(ValueError, match="eod_token '<nope>' is not in the vocabulary"):
+        HFTokenizer(path, eod_token="<nope>")
+
+
+def test_hf_without_clear_eod_asks_for_it(tmp_path):
+    path = _hf_file(tmp_path, with_eos_zero=False)
+    with pytest.raises(ValueError, match="cannot tell the end-of-document token"):
+        HFTokenizer(path)
+    with pytest.raises(FileNotFoundError, match="hf: tokenizer file"):
+        HFTokenizer(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="cannot load"):
+        HFTokenizer(tmp_path / "bad.json")
+
+
+@pytest.mark.parametrize("spec", ["", "bpe", "hf:", "byte:x", "World"])
+def test_bad_specs(spec):
+    with pytest.raises(ValueError, match="tokenizer spec"):
+        get_tokenizer(spec)
