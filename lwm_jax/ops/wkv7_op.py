@@ -1,0 +1,141 @@
+"""Public WKV7 op: input validation and dispatch to an implementation.
+
+Contract (docs/design.md, "WKV7 op contract"): FLA layout, per head state S [K, V] in float32,
+`S_t = diag(exp(w_t)) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T`, `o_t = S_t^T r_t`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from lwm_jax.ops.wkv7_chunked import wkv7_chunked
+from lwm_jax.ops.wkv7_recurrent import wkv7_recurrent
+
+IMPLS = ("auto", "pallas", "chunked", "recurrent")
+INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+
+
+@functools.cache
+def _load_pallas():
+    """`(wkv7_pallas, None)` if the Pallas kernel imports, else `(None, reason)`."""
+    try:
+        from lwm_jax.kernels.wkv7 import wkv7_pallas
+    except ImportError as err:
+        return None, f"{type(err).__name__}: {err}"
+    return wkv7_pallas, None
+
+
+def _resolve_impl(impl: str) -> str:
+    if impl == "auto":
+        use_pallas = jax.default_backend() in _ACCELERATORS and _load_pallas()[0] is not None
+        return "pallas" if use_pallas else "chunked"
+    if impl == "pallas" and _load_pallas()[0] is None:
+        raise RuntimeError("wkv7: impl='pallas' needs lwm_jax.kernels.wkv7.wkv7_pallas, which did "
+                           f"not import ({_load_pallas()[1]}); use impl='chunked' or 'recurrent'")
+    return impl
+
+
+def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, output_dtype):
+    """Check shapes, dtypes and options; return the output dtype. One-line errors."""
+    if not isinstance(impl, str) or impl not in IMPLS:
+        raise ValueError(f"wkv7: impl must be one of {IMPLS}, got {impl!r}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"wkv7: chunk_size must be an int >= 1, got {chunk_size!r}")
+    args = {"r": r, "w": w, "k": k, "v": v, "a": a, "b": b}
+    for name, x in args.items():
+        if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+            raise TypeError(f"wkv7: {name} must be an array, got {type(x).__name__}")
+        if x.ndim != 4:
+            want = "[B, T, H, V]" if name == "v" else "[B, T, H, K]"
+            raise ValueError(f"wkv7: {name} must be 4-D {want}, got shape {tuple(x.shape)}")
+    B, T, H, K = r.shape
+    for name in ("w", "k", "a", "b"):
+        if tuple(args[name].shape) != (B, T, H, K):
+            raise ValueError(f"wkv7: {name} has shape {tuple(args[name].shape)} but r has "
+                             f"{(B, T, H, K)}; r, w, k, a, b must all be [B, T, H, K]")
+    if tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"wkv7: v has shape {tuple(v.shape)}; it must be [B, T, H, V] with "
+                         f"B, T, H = {(B, T, H)} from r")
+    if T < 1:
+        raise ValueError(f"wkv7: sequence length T must be >= 1, got r shape {(B, T, H, K)}")
+    V = v.shape[3]
+
+    dtype = jnp.dtype(r.dtype)
+    if dtype not in INPUT_DTYPES:
+        raise TypeError(f"wkv7: r has dtype {dtype}; inputs must be bfloat16, float16 or float32")
+    for name in ("k", "v", "a", "b"):
+        if jnp.dtype(args[name].dtype) != dtype:
+            raise TypeError(f"wkv7: {name} has dtype {jnp.dtype(args[name].dtype)} but r has "
+                            f"{dtype}; r, k, v, a, b must share one dtype (cast {name} to {dtype})")
+    if jnp.dtype(w.dtype) not in (dtype, jnp.dtype(jnp.float32)):
+        raise TypeError(f"wkv7: w has dtype {jnp.dtype(w.dtype)}; it must be float32 or the "
+                        f"inputs' dtype {dtype}")
+
+    if initial_state is not None:
+        if not hasattr(initial_state, "shape") or tuple(initial_state.shape) != (B, H, K, V):
+            got = tuple(getattr(initial_state, "shape", ())) or type(initial_state).__name__
+            raise ValueError(f"wkv7: initial_state must be [B, H, K, V] = {(B, H, K, V)}, got {got}")
+        if not jnp.issubdtype(initial_state.dtype, jnp.floating):
+            raise TypeError(f"wkv7: initial_state has dtype {initial_state.dtype}; it must be "
+                            "float32")
+    if segment_ids is not None:
+        if not hasattr(segment_ids, "shape") or tuple(segment_ids.shape) != (B, T):
+            got = tuple(getattr(segment_ids, "shape", ())) or type(segment_ids).__name__
+            raise ValueError(f"wkv7: segment_ids must be [B, T] = {(B, T)}, got {got}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise TypeError(f"wkv7: segment_ids has dtype {segment_ids.dtype}; it must be an "
+                            "integer type (int32)")
+
+    if output_dtype is None:
+        return dtype
+    try:
+        out = jnp.dtype(output_dtype)
+    except TypeError:
+        out = None
+    if out not in INPUT_DTYPES:
+        raise TypeError(f"wkv7: output_dtype must be bfloat16, float16 or float32, "
+                        f"got {output_dtype!r}")
+    return out
+
+
+def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,
+         chunk_size=64, impl="auto", output_dtype=None):
+    """RWKV-7 WKV (generalized delta rule) over a sequence, FLA layout.
+
+    Args:
+      r, k: receptance and key `[B, T, H, K]`; v: value `[B, T, H, V]`.
+      w: log-decay `[B, T, H, K]` (<= 0; per-step decay exp(w)), float32 or the inputs' dtype.
+      a, b: the rank-1 update vectors `[B, T, H, K]` (`a = -kk`, `b = kk * a_icl` in RWKV-7).
+        r, k, v, a, b share one dtype (bfloat16, float16 or float32).
+      initial_state: `[B, H, K, V]` float32 state before position 0, or None (zeros).
+      return_state: also return the float32 state after the last position.
+      segment_ids: optional int `[B, T]`; the state resets to zero wherever the id differs from
+        the previous position's (packed documents). See `segment_ids_from_cu_seqlens`.
+      chunk_size: chunk length of the "chunked" and "pallas" implementations.
+      impl: "recurrent" (token scan), "chunked" (chunk-parallel JAX), "pallas" (kernel), or
+        "auto" (pallas on GPU/TPU when it imports, else chunked).
+      output_dtype: dtype of `o` (default: v.dtype). Arithmetic is float32 whatever it is.
+
+    Returns:
+      `o [B, T, H, V]`, or `(o, final_state [B, H, K, V] float32)` when `return_state`.
+    """
+    out_dtype = _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl,
+                          output_dtype)
+    if segment_ids is not None:
+        segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+    if initial_state is not None:
+        initial_state = jnp.asarray(initial_state).astype(jnp.float32)
+    chosen = _resolve_impl(impl)
+    if chosen == "recurrent":
+        o, state = wkv7_recurrent(r, w, k, v, a, b, initial_state, segment_ids, out_dtype)
+    elif chosen == "chunked":
+        o, state = wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,
+                                out_dtype)
+    else:
+        wkv7_pallas = _load_pallas()[0]
+        o, state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,
+                               out_dtype)
+    return (o, state) if return_state else o
