@@ -99,7 +99,10 @@ class Policy:
     def einsum_f32(self, spec: str, *operands):
         """fp32 einsum for the fp32 islands (logits, decay): operands upcast, result float32.
 
-        Uses this policy's matmul precision; under `fp32` that is IEEE fp32.
+        Operands are stored and accumulated in fp32; the multiply uses this policy's matmul
+        precision, so under `fp32` it is IEEE fp32 and under the mixed presets it is what XLA
+        does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never less
+        precise than a bf16 matmul, and as fast as the hardware's fp32 path allows.
         """
         ops = [x.astype(jnp.float32) for x in operands]
         return jnp.einsum(spec, *ops, precision=self.lax_precision,
@@ -150,6 +153,8 @@ def parse_policy(spec: str | Policy) -> Policy:
             raise ValueError(f"precision: bad part {part.strip()!r} in {spec!r}; keys are "
                              "p=param, c=compute, o=output dtype, m=matmul precision, s=loss scale")
         field = _KEYS[key]
+        if field in fields:
+            raise ValueError(f"precision: key {key}= given twice in {spec!r}")
         if field.endswith("dtype"):
             if value not in DTYPES:
                 raise ValueError(f"precision: unknown dtype {value!r} for {key}= in {spec!r}; "

@@ -1,0 +1,51 @@
+"""RWKV-7 ChannelMix (the feed-forward mixer), parameters stacked over layers.
+
+`out = relu(k @ W_key)² @ W_value` with `k = x + (shift(x) - x) * mu_k`, hidden size
+`ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`; matmuls via `policy.einsum`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm_jax.layers import init
+from lwm_jax.layers.shift import token_shift
+
+
+class ChannelMix(nnx.Module):
+    """ChannelMix parameters of all L layers (dtype `policy.param_dtype`).
+
+    Attributes (logical axes in brackets):
+      x_k: `[L, C]` token-shift mix, init `1 - (n / C) ** (ratio1 ** 4)` (layers, embed).
+      key: `[L, C, F]` (layers, embed, mlp), orthogonal gain 1.
+      value: `[L, F, C]` (layers, mlp, embed), init 0.
+    """
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        L, C, F = cfg.n_layer, cfg.n_embd, cfg.ffn_dim
+        pd = policy.param_dtype
+        vec = init.stacked_vectors(init.channel_mix_vectors, L, C)
+        self.x_k = nnx.Param(jnp.asarray(vec["x_k"], pd), logical_axes=("layers", "embed"))
+        self.key = nnx.Param(init.orthogonal(rngs.params(), (L, C, F), init.GAINS["ffn_key"], pd),
+                             logical_axes=("layers", "embed", "mlp"))
+        self.value = nnx.Param(jnp.zeros((L, F, C), pd), logical_axes=("layers", "mlp", "embed"))
+
+
+def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None):
+    """One layer's ChannelMix.
+
+    Args:
+      p: this layer's parameters (`x_k [C]`, `key [C, F]`, `value [F, C]`).
+      x_BTC: `[B, T, C]` LayerNorm'd input (cast to `policy.compute_dtype`).
+      shift_BC: `[B, C]` previous token's `x` (zeros for a fresh sequence).
+      segment_ids_BT: optional int `[B, T]`; the shift sees zeros where a document starts.
+    Returns:
+      `[B, T, C]` in `policy.compute_dtype`.
+    """
+    cd = policy.compute_dtype
+    x = x_BTC.astype(cd)
+    xx = token_shift(x, shift_BC, segment_ids_BT) - x
+    k = x + xx * p["x_k"].astype(cd)
+    hidden = jnp.square(jax.nn.relu(policy.einsum("btc,cf->btf", k, p["key"])))
+    return policy.einsum("btf,fc->btc", hidden, p["value"])
