@@ -1,0 +1,110 @@
+"""LAMBADA-style last-word prediction from a local JSONL file (no downloads).
+
+Each line is a JSON object with a `"text"` string. The target is the last word: the text after
+the last space, tokenized WITH its leading space (`" word"`), the context is everything before
+that space. An example is correct when greedy decoding after the context reproduces every token
+of the target; because greedy decoding feeds back its own argmax, that is the same as the argmax
+matching the target at every target position under teacher forcing, which is how it is computed
+(batched, one pass). Also reported: perplexity = exp(mean over examples of the target's total
+negative log-likelihood), the usual LAMBADA perplexity.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+
+from lwm_jax.eval.scoring import Scorer
+
+
+@dataclasses.dataclass(frozen=True)
+class LambadaResult:
+    """n: examples; n_correct: greedy hits; target_nats: per-example target NLL (nats)."""
+
+    n: int
+    n_correct: int
+    target_nats: tuple[float, ...]
+
+    @property
+    def accuracy(self) -> float:
+        return self.n_correct / self.n
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(float(np.mean(self.target_nats)))
+
+    def to_dict(self) -> dict:
+        return {"n": self.n, "n_correct": self.n_correct, "accuracy": self.accuracy,
+                "perplexity": self.perplexity}
+
+
+def split_last_word(text: str) -> tuple[str, str]:
+    """`"the cat sat"` -> `("the cat", " sat")` (trailing whitespace dropped first)."""
+    body = text.rstrip()
+    cut = body.rfind(" ")
+    if cut <= 0 or cut == len(body) - 1:
+        raise ValueError(f"lambada: text {body[-60:]!r} has no 'context last-word' split at a space")
+    return body[:cut], body[cut:]
+
+
+def read_jsonl(path: str | os.PathLike, max_examples: int | None = None) -> list[str]:
+    """The `"text"` field of each non-empty line of a JSONL file."""
+    texts: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(f"{os.fspath(path)}:{lineno}: not JSON ({err.msg})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                raise ValueError(f"{os.fspath(path)}:{lineno}: expected an object with a "
+                                 "string 'text' field")
+            texts.append(obj["text"])
+            if max_examples is not None and len(texts) >= max_examples:
+                break
+    if not texts:
+        raise ValueError(f"{os.fspath(path)}: no examples")
+    return texts
+
+
+def encode_examples(tokenizer, texts: Sequence[str]) -> list[tuple[list[int], list[int]]]:
+    """`(context ids, target ids)` per text (context and `" word"` tokenized separately)."""
+    out = []
+    for text in texts:
+        context, target = split_last_word(text)
+        out.append((list(tokenizer.encode(context)), list(tokenizer.encode(target))))
+    return out
+
+
+def last_word_accuracy(scorer: Scorer, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       batch_size: int = 8, bucket: int = 64) -> LambadaResult:
+    """Score `(context ids, target ids)` pairs; batches are padded to a multiple of `bucket`
+    tokens and to `batch_size` rows (right padding never affects earlier positions)."""
+    if not examples:
+        raise ValueError("lambada: no examples")
+    for i, (ctx, tgt) in enumerate(examples):
+        if not ctx or not tgt:
+            raise ValueError(f"lambada: example {i} has an empty context or target")
+    correct, nats = 0, []
+    for first in range(0, len(examples), batch_size):
+        batch = examples[first: first + batch_size]
+        longest = max(len(c) + len(t) - 1 for c, t in batch)
+        T = -(-longest // bucket) * bucket
+        inputs = np.zeros((batch_size, T), np.int32)
+        targets = np.zeros((batch_size, T), np.int32)
+        for row, (ctx, tgt) in enumerate(batch):
+            seq = list(ctx) + list(tgt)
+            inputs[row, : len(seq) - 1] = seq[:-1]
+            targets[row, : len(seq) - 1] = seq[1:]
+        nll, hit, _ = scorer.score(inputs, targets)
+        for row, (ctx, tgt) in enumerate(batch):
+            span = slice(len(ctx) - 1, len(ctx) - 1 + len(tgt))
+            correct += bool(hit[row, span].all())
+            nats.append(float(nll[row, span].astype(np.float64).sum()))
+    return LambadaResult(n=len(examples), n_correct=correct, target_nats=tuple(nats))

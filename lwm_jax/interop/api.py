@@ -1,0 +1,116 @@
+"""Public entry points: `load_pretrained`, `read_params`, `convert`, `export`.
+
+Formats (`format=` argument; detected from the path when None):
+  "rwkv-pth"  official RWKV-LM `.pth` file (bf16 as released; read with safe unpickling)
+  "hf"        FLA / Hugging Face directory: `config.json` + `*.safetensors`
+  "lwm"       our directory: `config.yaml` + orbax `params/` (what `convert` writes)
+  "run"       a training run directory (`lwm_jax.train.checkpoint`): latest step's params
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import Any
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.interop import hf, native, params, rwkv_pth
+from lwm_jax.precision import Policy
+
+FORMATS = ("rwkv-pth", "hf", "lwm", "run")
+EXPORT_FORMATS = ("rwkv-pth", "hf")
+# Config fields that describe how to run the model, not its weights: callers may override them.
+RUNTIME_FIELDS = ("wkv_impl", "chunk_size", "remat", "scan_layers")
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Guess the checkpoint format of `path` (see module docstring); one-line error if unknown."""
+    p = Path(path)
+    if p.is_file():
+        if p.suffix in (".pth", ".pt"):
+            return "rwkv-pth"
+        raise ValueError(f"checkpoint {str(p)!r}: unknown file type {p.suffix!r}; expected an "
+                         "official .pth file or a directory (pass format= to force one)")
+    if p.is_dir():
+        if native.is_native(p):
+            return "lwm"
+        if (p / hf.CONFIG).is_file():
+            return "hf"
+        from lwm_jax.interop import run_ckpt
+        if run_ckpt.is_run_dir(p):
+            return "run"
+        raise ValueError(f"checkpoint {str(p)!r}: directory has neither config.yaml + params/ "
+                         "(lwm), config.json (hf) nor training-run steps")
+    raise ValueError(f"checkpoint {str(p)!r}: no such file or directory")
+
+
+def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[ModelConfig, dict]:
+    """Read any supported checkpoint -> `(ModelConfig, params tree of float32 NumPy arrays)`."""
+    fmt = format or detect_format(path)
+    if fmt not in FORMATS:
+        raise ValueError(f"format: {fmt!r} is not one of {FORMATS}")
+    if fmt == "rwkv-pth":
+        return rwkv_pth.load_pth(path)
+    if fmt == "hf":
+        return hf.read_hf(path)
+    if fmt == "lwm":
+        return native.load_native(path)
+    from lwm_jax.interop import run_ckpt
+    return run_ckpt.read_run_params(path)
+
+
+def load_pretrained(path: str | os.PathLike, format: str | None = None,
+                    policy: Policy | str = "fp32", **runtime: Any):
+    """Load a checkpoint into an `RWKV7` model -> `(model, ModelConfig)`.
+
+    `runtime` may override `wkv_impl`, `chunk_size`, `remat`, `scan_layers` (they do not change
+    the weights). The returned config is the one the model was built with.
+    """
+    bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
+    if bad:
+        raise TypeError(f"load_pretrained: unknown keyword {bad[0]!r}; runtime overrides are "
+                        f"{', '.join(RUNTIME_FIELDS)}")
+    cfg, tree = read_params(path, format)
+    cfg = dataclasses.replace(cfg, **runtime)
+    return params.model_from_params(cfg, tree, policy), cfg
+
+
+def convert(input: str | os.PathLike, output_dir: str | os.PathLike,
+            format: str | None = None) -> Path:
+    """Convert an official `.pth` / HF directory into our `config.yaml` + orbax directory."""
+    cfg, tree = read_params(input, format)
+    return native.save_native(cfg, tree, output_dir, source=os.fspath(input))
+
+
+def _params_of(model_or_path, format: str | None) -> tuple[ModelConfig, dict]:
+    if isinstance(model_or_path, (str, os.PathLike)):
+        return read_params(model_or_path, format)
+    cfg = getattr(model_or_path, "cfg", None)
+    if not isinstance(cfg, ModelConfig):
+        raise TypeError("export: model_or_dir must be an RWKV7 model (with .cfg) or a checkpoint "
+                        f"path, got {type(model_or_path).__name__}")
+    return cfg, params.params_from_model(model_or_path)
+
+
+def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
+           dtype: str | None = None, input_format: str | None = None,
+           max_shard_bytes: int | None = None) -> Path:
+    """Write a model (or any readable checkpoint) in an external layout.
+
+    format "rwkv-pth": `output` is the `.pth` file; dtype "bf16" (default, as released) or "f32".
+    format "hf": `output` is a directory; dtype "f32" (default) or "bf16"; `max_shard_bytes`
+    splits the weights into shards with a `model.safetensors.index.json`.
+    """
+    if format not in EXPORT_FORMATS:
+        raise ValueError(f"format: {format!r} is not one of {EXPORT_FORMATS}")
+    cfg, tree = _params_of(model_or_dir, input_format)
+    out = Path(output)
+    if format == "rwkv-pth":
+        if out.suffix != ".pth":
+            raise ValueError(f"output: {str(out)!r} must be a file name ending in .pth "
+                             "(the rwkv package appends .pth to the name it is given)")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        rwkv_pth.save_pth(cfg, tree, out, dtype=dtype or "bf16")
+    else:
+        hf.write_hf(cfg, tree, out, dtype=dtype or "f32", max_shard_bytes=max_shard_bytes)
+    return out

@@ -1,0 +1,202 @@
+"""FLA / Hugging Face RWKV-7 layout (`config.json` + safetensors) <-> our params tree.
+
+Matches flash-linear-attention's `RWKV7ForCausalLM` (`model_type: "rwkv7"`): names in
+`layout.HF_TOP` / `layout.HF_BLOCK`. Differences from the official layout worth knowing:
+the LoRA pairs are `nn.Linear`s (weights transposed, `x0` is the second Linear's bias, the gate
+LoRA has no bias), layer 0 has no `v_lora`, and `ffn.x_k`, `k_k`, `k_a` are flat `[C]`.
+
+Reading takes the weights from `model.safetensors`, a sharded set listed in
+`model.safetensors.index.json`, or any `*.safetensors` in the directory. Sizes come from tensor
+shapes; `config.json` is checked against them (a mismatch is an error, not a guess).
+Safetensors are read with NumPy (bf16 via ml_dtypes): no torch needed.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.interop import layout, params
+from lwm_jax.interop.rwkv_pth import layer0_value_fill
+
+CONFIG = "config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+HF_DTYPES = {"f32": (np.float32, "float32"), "bf16": (ml_dtypes.bfloat16, "bfloat16")}
+
+
+def _read_tensors(root: Path) -> dict[str, np.ndarray]:
+    from safetensors import safe_open
+    if (root / INDEX).is_file():
+        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+    elif (root / SINGLE).is_file():
+        files = [SINGLE]
+    else:
+        files = sorted(p.name for p in root.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"checkpoint {str(root)!r}: no *.safetensors weights next to config.json")
+    out: dict[str, np.ndarray] = {}
+    for name in files:
+        with safe_open(str(root / name), framework="np") as f:
+            for key in f.keys():
+                out[key] = np.asarray(f.get_tensor(key), dtype=np.float32)
+    return out
+
+
+def _normalise(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> dict[str, np.ndarray]:
+    """Undo FLA variants: fused `x_x [6, C]`, tied head, bias-free norms."""
+    fused, order = layout.HF_FUSED_MIX
+    for key in [k for k in sd if k.endswith("." + fused)]:
+        stack = sd.pop(key).reshape(len(order), -1)
+        for j, m in enumerate(order):
+            sd[key[: -len(fused)] + f"attn.x_{m}"] = stack[j]
+    if "lm_head.weight" not in sd and hf_cfg.get("tie_word_embeddings"):
+        sd["lm_head.weight"] = sd["model.embeddings.weight"]
+    if hf_cfg.get("norm_bias", True) is False:
+        for key in [k for k in sd if re.search(r"(norm|g_norm)\.weight$", k)]:
+            sd.setdefault(key[: -len("weight")] + "bias", np.zeros_like(sd[key]))
+    return sd
+
+
+def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> ModelConfig:
+    """`ModelConfig` from tensor shapes, cross-checked with `config.json`."""
+    if hf_cfg.get("model_type") != "rwkv7":
+        raise ValueError(f"{where}: config.json model_type is {hf_cfg.get('model_type')!r}, "
+                         "expected 'rwkv7'")
+    def need(name):
+        if name not in sd:
+            raise ValueError(f"{where}: tensor {name!r} is missing")
+        return sd[name]
+    V, C = need("model.embeddings.weight").shape
+    layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
+    L = max(layers) + 1 if layers else 0
+    if not layers or layers != set(range(L)):
+        raise ValueError(f"{where}: layer indices {sorted(layers)} are not 0..{L - 1}")
+    H, N = need("model.layers.0.attn.r_k").shape
+    lay = "model.layers.{}.attn.{}_lora.lora.0.weight"
+    v_name = next((lay.format(i, "v") for i in (1, 0) if lay.format(i, "v") in sd), None)
+    F = need("model.layers.0.ffn.key.weight").shape[0]
+    if F % C or H * N != C:
+        raise ValueError(f"{where}: ffn width {F} or heads {H}x{N} do not fit hidden size {C}")
+    cfg = ModelConfig(
+        vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
+        decay_lora=int(need(lay.format(0, "w")).shape[0]),
+        a_lora=int(need(lay.format(0, "a")).shape[0]),
+        v_lora=int(sd[v_name].shape[0]) if v_name else 0,
+        gate_lora=int(need(lay.format(0, "g")).shape[0]), ffn_mult=int(F // C)).resolved()
+    checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": N}
+    for key, value in checks.items():
+        if hf_cfg.get(key) is not None and int(hf_cfg[key]) != int(value):
+            raise ValueError(f"{where}: config.json {key}={hf_cfg[key]} but the weights say {value}")
+    vd = hf_cfg.get("value_dim")
+    if vd is not None and any(int(x) != C for x in (vd if isinstance(vd, list) else [vd])):
+        raise ValueError(f"{where}: config.json value_dim={vd}; only value_dim == hidden_size "
+                         "is supported")
+    if hf_cfg.get("hidden_act", "sqrelu") != "sqrelu" or hf_cfg.get("attn"):
+        raise ValueError(f"{where}: config.json hidden_act/attn describe a variant "
+                         "(non-sqrelu or hybrid attention) that is not supported")
+    return cfg
+
+
+def read_hf(root: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Read an FLA/HF RWKV-7 directory -> `(cfg, params tree)` (float32 leaves)."""
+    root = Path(root)
+    where = f"checkpoint {str(root)!r}"
+    if not (root / CONFIG).is_file():
+        raise ValueError(f"{where}: no config.json; expected a Hugging Face model directory")
+    hf_cfg = json.loads((root / CONFIG).read_text())
+    sd = _normalise(_read_tensors(root), hf_cfg, where)
+    cfg = config_from_hf(sd, hf_cfg, where)
+    shapes = params.flatten(params.param_shapes(cfg))
+    used: set[str] = set()
+    flat: dict[str, np.ndarray] = {}
+    for path, name, kind in layout.HF_TOP:
+        if name not in sd:
+            raise ValueError(f"{where}: tensor {name!r} is missing")
+        flat[path] = layout.from_external(sd[name], kind, shapes[path].shape, name)
+        used.add(name)
+    fill = layer0_value_fill(cfg)
+    for path, suffix, kind in layout.HF_BLOCK:
+        per_layer = []
+        for i in range(cfg.n_layer):
+            name = f"model.layers.{i}.{suffix}"
+            if name in sd:
+                per_layer.append(layout.from_external(sd[name], kind, shapes[path].shape[1:], name))
+                used.add(name)
+            elif i == 0 and suffix in layout.HF_LAYER0_ABSENT:
+                per_layer.append(fill[path])
+            else:
+                raise ValueError(f"{where}: tensor {name!r} is missing")
+        flat[path] = np.stack(per_layer)
+    unknown = sorted(set(sd) - used)
+    if unknown:
+        raise ValueError(f"{where}: unexpected tensor {unknown[0]!r} ({len(unknown)} not "
+                         "understood); this RWKV-7 variant is not supported")
+    return cfg, params.unflatten(flat)
+
+
+def hf_config(cfg: ModelConfig, dtype: str) -> dict:
+    """FLA `RWKV7Config` fields describing `cfg` (token 0 is RWKV's end-of-document id)."""
+    C, L = cfg.n_embd, cfg.n_layer
+    return {
+        "architectures": ["RWKV7ForCausalLM"], "model_type": "rwkv7", "attn_mode": "chunk",
+        "hidden_size": C, "hidden_ratio": cfg.ffn_mult, "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": L, "head_dim": cfg.head_size, "num_heads": cfg.n_head,
+        "decay_low_rank_dim": cfg.decay_lora, "a_low_rank_dim": cfg.a_lora,
+        "v_low_rank_dim": cfg.v_lora, "gate_low_rank_dim": cfg.gate_lora,
+        "hidden_act": "sqrelu", "norm_first": True, "norm_bias": True, "norm_eps": 1e-5,
+        "vocab_size": cfg.vocab_size, "value_dim": [C] * L, "tie_word_embeddings": False,
+        "bos_token_id": 0, "eos_token_id": 0, "use_cache": True, "fuse_norm": True,
+        "fuse_cross_entropy": True, "use_l2warp": True, "max_position_embeddings": 2048,
+        "initializer_range": 0.02, "torch_dtype": HF_DTYPES[dtype][1],
+    }
+
+
+def write_hf(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, dtype: str = "f32",
+             max_shard_bytes: int | None = None) -> None:
+    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_bytes`)."""
+    from safetensors.numpy import save_file
+    if dtype not in HF_DTYPES:
+        raise ValueError(f"dtype: {dtype!r} is not one of {tuple(HF_DTYPES)}")
+    params.check_tree(cfg, tree, "export")
+    np_dtype = HF_DTYPES[dtype][0]
+    flat = params.flatten(tree)
+    tensors: dict[str, np.ndarray] = {}
+    for path, name, kind in layout.HF_TOP:
+        tensors[name] = layout.to_external(np.asarray(flat[path], np.float32), kind)
+    for i in range(cfg.n_layer):
+        for path, suffix, kind in layout.HF_BLOCK:
+            if i == 0 and suffix in layout.HF_LAYER0_ABSENT:
+                continue
+            tensors[f"model.layers.{i}.{suffix}"] = layout.to_external(
+                np.asarray(flat[path][i], np.float32), kind)
+    tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
+    root = Path(out_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    (root / CONFIG).write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    meta = {"format": "pt"}
+    if not max_shard_bytes:
+        save_file(tensors, str(root / SINGLE), metadata=meta)
+        return
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in tensors.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    weight_map = {}
+    for j, shard in enumerate(shards):
+        fname = f"model-{j + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(root / fname), metadata=meta)
+        weight_map.update({name: fname for name in shard})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in tensors.values()))},
+             "weight_map": weight_map}
+    (root / INDEX).write_text(json.dumps(index, indent=2) + "\n")

@@ -1,0 +1,138 @@
+"""Official RWKV-LM checkpoint layout (`.pth`, one flat dict of per-layer tensors) <-> our tree.
+
+Reading accepts the `_forward_module.` prefix (DeepSpeed/Lightning), files with or without
+`blocks.0.att.v0/v1/v2` (layer 0 never uses them; missing ones are filled with the init `v0` and
+zero matrices), and reads every size from the tensor shapes: V and C from `emb.weight [V, C]`,
+heads and head size from `att.r_k [H, N]`, the low-rank sizes from `att.{w,a,v,g}1 [C, D]`, the
+ChannelMix width from `ffn.key.weight [F, C]`, L from the highest block index.
+"""
+from __future__ import annotations
+
+import os
+import re
+from typing import Mapping
+
+import numpy as np
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.interop import layout, params
+from lwm_jax.layers.init import time_mix_vectors
+
+PREFIX = "_forward_module."
+
+
+def strip_prefix(sd: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Drop a `_forward_module.` prefix from every key that has one."""
+    return {k[len(PREFIX):] if k.startswith(PREFIX) else k: v for k, v in sd.items()}
+
+
+def _need(sd: Mapping[str, np.ndarray], name: str, where: str) -> np.ndarray:
+    if name not in sd:
+        raise ValueError(f"{where}: tensor {name!r} is missing; is this an RWKV-7 (x070) checkpoint?")
+    return sd[name]
+
+
+def config_from_official(sd: Mapping[str, np.ndarray], where: str = "checkpoint") -> ModelConfig:
+    """`ModelConfig` from the shapes of an official state dict (prefix already stripped)."""
+    V, C = _need(sd, "emb.weight", where).shape
+    layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
+    if not layers:
+        raise ValueError(f"{where}: no 'blocks.N.' tensors; is this an RWKV checkpoint?")
+    L = max(layers) + 1
+    if layers != set(range(L)):
+        raise ValueError(f"{where}: block indices {sorted(layers)} are not 0..{L - 1}")
+    if "blocks.0.att.w0" not in sd or "blocks.0.att.r_k" not in sd:
+        raise ValueError(f"{where}: blocks.0.att.w0 / r_k missing: not an RWKV-7 (x070) "
+                         "checkpoint (RWKV-4/5/6 files are not supported)")
+    H, N = sd["blocks.0.att.r_k"].shape
+    if H * N != C:
+        raise ValueError(f"{where}: blocks.0.att.r_k has shape [{H}, {N}] but n_embd is {C}")
+    F = _need(sd, "blocks.0.ffn.key.weight", where).shape[0]
+    if F % C:
+        raise ValueError(f"{where}: ffn.key.weight has {F} rows, not a multiple of n_embd={C}")
+    v1 = next((sd[f"blocks.{i}.att.v1"] for i in (1, 0) if f"blocks.{i}.att.v1" in sd), None)
+    cfg = ModelConfig(
+        vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
+        decay_lora=int(_need(sd, "blocks.0.att.w1", where).shape[1]),
+        a_lora=int(_need(sd, "blocks.0.att.a1", where).shape[1]),
+        v_lora=int(v1.shape[1]) if v1 is not None else 0,
+        gate_lora=int(_need(sd, "blocks.0.att.g1", where).shape[1]),
+        ffn_mult=int(F // C))
+    return cfg.resolved()
+
+
+def layer0_value_fill(cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Stand-ins for layer 0's unused `v0 [C], v1 [C, D], v2 [D, C]` keyed by our path
+    (init `v0`, zero matrices)."""
+    C, D = cfg.n_embd, cfg.v_lora
+    v0 = time_mix_vectors(0, cfg.n_layer, C, cfg.head_size)["v0"].astype(np.float32)
+    return {layout.ATT + "v0": v0, layout.ATT + "v1": np.zeros((C, D), np.float32),
+            layout.ATT + "v2": np.zeros((D, C), np.float32)}
+
+
+def read_official(state: Mapping[str, np.ndarray],
+                  where: str = "checkpoint") -> tuple[ModelConfig, dict]:
+    """Official state dict (NumPy arrays) -> `(cfg, params tree)` with float32 leaves.
+
+    Every tensor must be consumed: unknown names are an error (they would be silently dropped
+    weights, e.g. a DeepEmbed variant this model does not implement).
+    """
+    sd = strip_prefix(state)
+    cfg = config_from_official(sd, where)
+    shapes = params.flatten(params.param_shapes(cfg))
+    used: set[str] = set()
+    flat: dict[str, np.ndarray] = {}
+    for path, name, kind in layout.OFFICIAL_TOP:
+        flat[path] = layout.from_external(np.asarray(_need(sd, name, where), np.float32), kind,
+                                          shapes[path].shape, name)
+        used.add(name)
+    fill = layer0_value_fill(cfg)
+    for path, suffix, kind in layout.OFFICIAL_BLOCK:
+        per_layer = []
+        for i in range(cfg.n_layer):
+            name = f"blocks.{i}.{suffix}"
+            if name in sd:
+                x = sd[name]
+                used.add(name)
+            elif i == 0 and suffix in layout.LAYER0_OPTIONAL:
+                per_layer.append(fill[path])
+                continue
+            else:
+                x = _need(sd, name, where)
+            per_layer.append(layout.from_external(np.asarray(x, np.float32), kind,
+                                                  shapes[path].shape[1:], name))
+        flat[path] = np.stack(per_layer)
+    unknown = sorted(set(sd) - used)
+    if unknown:
+        raise ValueError(f"{where}: unexpected tensor {unknown[0]!r} ({len(unknown)} not "
+                         "understood); this RWKV-7 variant is not supported")
+    return cfg, params.unflatten(flat)
+
+
+def write_official(cfg: ModelConfig, tree: dict) -> dict[str, np.ndarray]:
+    """Our params tree -> official state dict (float32 NumPy, official shapes and names).
+
+    Layer 0's `v0, v1, v2` are written too (current RWKV-LM files carry them).
+    """
+    params.check_tree(cfg, tree, "export")
+    flat = params.flatten(tree)
+    out: dict[str, np.ndarray] = {}
+    for path, name, kind in layout.OFFICIAL_TOP:
+        out[name] = layout.to_external(np.asarray(flat[path], np.float32), kind)
+    for i in range(cfg.n_layer):
+        for path, suffix, kind in layout.OFFICIAL_BLOCK:
+            out[f"blocks.{i}.{suffix}"] = layout.to_external(
+                np.asarray(flat[path][i], np.float32), kind)
+    return out
+
+
+def load_pth(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
+    """Read an official `.pth` file (safe unpickling) -> `(cfg, params tree)`."""
+    from lwm_jax.interop.torch_io import load_state_dict
+    return read_official(load_state_dict(path), where=f"checkpoint {os.fspath(path)!r}")
+
+
+def save_pth(cfg: ModelConfig, tree: dict, path: str | os.PathLike, dtype: str = "bf16") -> None:
+    """Write our params tree as an official `.pth` (`dtype`: "bf16" as released, or "f32")."""
+    from lwm_jax.interop.torch_io import save_state_dict
+    save_state_dict(write_official(cfg, tree), path, dtype=dtype)
