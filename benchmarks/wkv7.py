@@ -14,9 +14,10 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
                             fwd and fwd+bwd ms on the 4 anchor shapes (bf16) and the pure-JAX
                             `recurrent` at (8,4096,12,64).
   breakdown --shape B T H D each launch timed alone, for the launch variants listed below.
-  sweep --variants JSON     intra_bwd / seq_fwd alone for a list of `Tuning`s (one process,
-                            shared inputs); --ptx-dir D also saves each kernel's PTX and prints
-                            `ptxas -v` (registers, spills) plus Triton's shared-memory size.
+  sweep --variants JSON     intra_bwd / seq_fwd / seq_bwd alone for a list of `Tuning`s (one
+                            process, shared inputs).
+  ptxas --triton-site DIR   (CPU, no GPU needed) compile every kernel for sm_90 with the triton
+                            wheel and print registers / spills / shared memory / wgmma count.
 
 Inputs follow the FLA benchmark's distribution (`lwm_jax.ops.testing.random_wkv7_inputs`).
 Timing: jitted call, warm-up, then batches of back-to-back calls ended by one
@@ -223,7 +224,7 @@ def cmd_speed(args):
 
 
 BREAKDOWN_VARIANTS = [  # (chunk, Tuning kwargs); None fields are filled by `resolve`
-    (32, {}), (64, {}), (32, dict(split_bwd=True)), (64, dict(split_bwd=False)),
+    (32, {}), (32, dict(bwd_form="rows")), (64, {}), (32, dict(split_bwd=True)), (64, dict(split_bwd=False)),
     (32, dict(split_out=True)), (32, dict(block_v_bwd=64)),
 ]
 
@@ -265,51 +266,61 @@ def cmd_breakdown(args):
             emit(case="breakdown-error", C=C, tuning=tkw, error=repr(e)[:300])
 
 
-def capture_triton_ptx(out_dir):
-    """Wrap jaxlib's Triton compile hook (jaxlib > 0.10.2 compiles Pallas-Triton kernels at
-    lowering time) so every kernel's PTX lands in `out_dir`; returns a report function that runs
-    `ptxas -v` on them (registers, spills, shared memory). Diagnostics only."""
+def cmd_ptxas(args):
+    """CPU only (jaxlib <= 0.10.2, which lowers Pallas-Triton calls without compiling them):
+    lower one bf16 fwd+bwd for CUDA, compile each kernel's Triton IR with the `triton` wheel
+    (--triton-site: a folder holding it, e.g. `pip install --target`) for sm_90 and print
+    `ptxas -v` (registers, spills), Triton's shared memory and the wgmma / mma.sync counts."""
     import os
-    import shutil
     import subprocess
-    from jax._src.lib import triton as jtriton
-    os.makedirs(out_dir, exist_ok=True)
-    seen = {}
-    orig = jtriton.compile
+    jax, jnp = _jax()
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    from lwm_jax.kernels.wkv7 import Tuning, wkv7_gpu
+    os.makedirs(args.out, exist_ok=True)
+    kernels = []
+    orig_lower, orig_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
 
-    def wrapped(platform, module, arch_name, *, num_warps, num_ctas, num_stages):
-        res = orig(platform, module, arch_name, num_warps=num_warps, num_ctas=num_ctas,
-                   num_stages=num_stages)
-        asm = getattr(res, "asm", "") or ""
-        name = asm.split(".entry ", 1)[1].split("(", 1)[0].strip() if ".entry " in asm else "k"
-        tag = f"{name}_w{num_warps}_{len(seen)}"
-        with open(os.path.join(out_dir, tag + ".ptx"), "w") as f:
-            f.write(asm)
-        seen[tag] = int(getattr(res, "smem_bytes", -1))
+    def lower(*a, **k):
+        res = orig_lower(*a, **k)
+        kernels.append([res.module.operation.get_asm(enable_debug_info=False)])
         return res
-    jtriton.compile = wrapped
 
-    def report():
-        cands = [shutil.which("ptxas"), "/usr/local/cuda/bin/ptxas"]
-        try:
-            import triton
-            cands.append(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia",
-                                      "bin", "ptxas"))
-        except ImportError:
-            pass
-        ptxas = next((c for c in cands if c and os.path.exists(c)), None)
-        for tag, smem in seen.items():
-            info = "no ptxas"
-            if ptxas:
-                r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(out_dir, tag + ".ptx"),
-                                    "-o", "/dev/null"], capture_output=True, text=True)
-                info = " ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines()
-                                if "Used" in l or "spill" in l)[:300]
-            with open(os.path.join(out_dir, tag + ".ptx")) as f:
-                ptx = f.read()
-            emit(case="ptxas", kernel=tag, smem_bytes=smem, wgmma=ptx.count("wgmma.mma_async"),
-                 mma_sync=ptx.count("mma.sync"), info=info)
-    return report
+    def custom_call(*a, backend_config=None, **k):
+        if backend_config and "num_warps" in backend_config:  # name, warps, stages of the last IR
+            kernels[-1] += [str(backend_config[f]).split(":")[0].strip(' "')
+                            for f in ("name", "num_warps", "num_stages")]
+        return orig_call(*a, backend_config=backend_config, **k)
+    reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = lower, custom_call
+    B, T, H, D = args.shape
+    tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
+    xs = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 6
+
+    def loss(xs):
+        o, s = wkv7_gpu(*xs, None, None, args.chunk, None, tuning=tune)
+        return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+    try:  # lowering runs the hooks; serialising the Triton custom calls then fails, as expected
+        jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(xs)
+    except ValueError:
+        pass
+    sys.path.insert(0, args.triton_site)
+    import triton
+    from triton.backends.compiler import GPUTarget
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    for i, (ir, name, warps, stages) in enumerate(kernels):
+        base = os.path.join(args.out, f"{i:02d}_{name}_w{warps}")
+        with open(base + ".ttir", "w") as f:
+            f.write(ir)
+        k = triton.compile(base + ".ttir", target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": int(warps), "num_stages": int(stages)})
+        with open(base + ".ptx", "w") as f:
+            f.write(k.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", base + ".ptx", "-o", base + ".cubin"],
+                           capture_output=True, text=True)
+        info = " ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines()
+                        if "Used" in l or "spill" in l)
+        emit(case="ptxas", kernel=name, warps=int(warps), smem_bytes=k.metadata.shared,
+             wgmma=k.asm["ptx"].count("wgmma.mma_async"), mma_sync=k.asm["ptx"].count("mma.sync"),
+             info=info[:300])
 
 
 def cmd_sweep(args):
@@ -317,7 +328,6 @@ def cmd_sweep(args):
     / seq_bwd (shape --seq-shape). Variants: JSON list of [kind, chunk, tuning-dict], kind in
     bwd / seq / seqb."""
     jax, jnp = _jax()
-    report = capture_triton_ptx(args.ptx_dir) if args.ptx_dir else None
     from lwm_jax.kernels.wkv7 import Tuning, gpu_kernels as gk
     from lwm_jax.kernels.wkv7.gpu_kernels import resolve
     from lwm_jax.ops.testing import random_wkv7_inputs
@@ -348,7 +358,8 @@ def cmd_sweep(args):
             tune = resolve(Tuning(**tkw), C, B * H, D)
             kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=False)
             if kind == "bwd":
-                f = jax.jit(lambda xs, inv, st, dS, do: gk.intra_bwd(*xs, None, inv, st, dS, do, **kw))
+                f = jax.jit(lambda xs, inv, st, dS, do: gk.intra_bwd(*xs, None, inv, st, dS, do,
+                                                                     **kw))
                 ms = bench(f, p["xs"], p["inv"], p["states"], p["dS"], p["do"]) * 1e3
             elif kind == "seq":
                 f = jax.jit(lambda *a: gk.seq_fwd(*a, out_dtype=jnp.bfloat16, want_states=True,
@@ -360,8 +371,6 @@ def cmd_sweep(args):
             emit(case="sweep", kind=kind, B=B, T=T, H=H, D=D, C=C, tuning=tkw, ms=round(ms, 4))
         except Exception as e:  # keep going: one bad variant must not hide the others
             emit(case="sweep-error", kind=kind, C=C, tuning=tkw, error=repr(e)[:400])
-    if report:
-        report()
 
 
 def main(argv=None):
@@ -392,7 +401,12 @@ def main(argv=None):
     a.add_argument("--shape", type=int, nargs=4, default=list(SHAPES[1]))
     a.add_argument("--seq-shape", type=int, nargs=4, default=list(SHAPES[3]))
     a.add_argument("--variants", required=True, help='JSON [[kind, chunk, tuning], ...]')
-    a.add_argument("--ptx-dir", default=None, help="save each kernel's PTX + ptxas -v report")
+    a = sub.add_parser("ptxas")
+    a.add_argument("--shape", type=int, nargs=4, default=[1, 128, 2, 64])
+    a.add_argument("--chunk", type=int, default=32)
+    a.add_argument("--tuning", default=None, help="JSON dict of Tuning fields")
+    a.add_argument("--triton-site", required=True, help="folder holding the triton wheel")
+    a.add_argument("--out", default="/tmp/wkv7_ptxas")
     args = p.parse_args(argv)
     if args.cmd not in ("peer", "compare"):
         jax, _ = _jax()
@@ -401,7 +415,7 @@ def main(argv=None):
              device=str(jax.devices()[0].device_kind), backend=jax.default_backend())
     result = {"check": cmd_check, "accuracy": cmd_accuracy, "peer": cmd_peer,
               "compare": cmd_compare, "speed": cmd_speed,
-              "breakdown": cmd_breakdown, "sweep": cmd_sweep}[args.cmd](args)
+              "breakdown": cmd_breakdown, "sweep": cmd_sweep, "ptxas": cmd_ptxas}[args.cmd](args)
     return 1 if result else 0
 
 

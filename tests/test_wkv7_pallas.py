@@ -73,15 +73,14 @@ def test_split_launch_variants_agree():
     assert max(diffs) < 1e-6, diffs
 
 
-@pytest.mark.parametrize("form", ["cols", "stacked"])
-def test_backward_forms_agree_with_rows(form):
-    """Transposed / stacked backward (TF32 path, so `precision="default"`; the interpreter
-    computes its dots in fp32) = row-form backward, with documents and an initial state."""
+def test_stacked_backward_agrees_with_rows():
+    """Stacked backward (TF32 path, so `precision="default"`; the interpreter computes its dots
+    in fp32) = row-form backward, with documents, an initial state and K = 32 < 64."""
     args = _problem(8, 2, 70, 2, 32, 16, jnp.float32)
     flat = lambda out: [out[0], out[1], *out[2], out[3]]
     run = lambda f: flat(_run_vjp(*args, chunk=32, precision="default",
                                   tuning=Tuning(split_bwd=False, bwd_form=f)))
-    diffs = [rel_err(x, y) for x, y in zip(run(form), run("rows"))]
+    diffs = [rel_err(x, y) for x, y in zip(run("stacked"), run("rows"))]
     assert max(diffs) < 1e-5, diffs
 
 

@@ -8,14 +8,14 @@ FLA layout: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, w = log-decay (<= 0)
 `o_t = S_t^T r_t`. `initial_state` / `segment_ids` may be None.
 
 Dispatch on `jax.default_backend()`:
-  gpu -> Pallas-Triton kernels (`gpu.py`, `gpu_kernels.py`, `gpu_chunk.py`);
+  gpu -> Pallas-Triton kernels (`gpu.py`, `gpu_kernels.py`, `gpu_chunk.py`, `gpu_chunk_t.py`);
   tpu -> `lwm_jax.kernels.wkv7.tpu.wkv7_tpu` (Pallas/Mosaic TPU);
   cpu -> the GPU kernels in the Pallas interpreter (tests; slow).
 
-Status (H200, 2026-11-21, benchmarks/RESULTS.md): exact mode (f32, IEEE matmuls) <= 1.1e-6
-rel. error for outputs, state and gradients; bf16 forward 1.70e-3 (FLA 2.54e-3), every gradient
-below FLA's on the same inputs; speed ~0.97x FLA forward and 0.74-0.91x FLA fwd+bwd at C = 32
-(the faster chunk on GPU; C = 64 is accepted).
+Status (H200, 2026-11-21, benchmarks/RESULTS.md, second section): exact mode (f32, IEEE
+matmuls) <= 1.1e-6 rel. error for outputs, state and gradients; bf16 forward 1.70e-3 (FLA
+2.54e-3), every gradient below FLA's on the same inputs; at C = 32 (the GPU default) fwd+bwd
+1.06-1.33x FLA's speed on the four anchor shapes, forward alone 0.67-0.92x (C = 64 is accepted).
 
 Lowering choice (GPU). The kernels are written for the Pallas *Triton* backend
 (`pl.pallas_call` with `plgpu.CompilerParams`, `from jax.experimental.pallas import triton`).
@@ -43,15 +43,19 @@ from lwm_jax.kernels.wkv7.gpu_kernels import Tuning
 __all__ = ["wkv7_pallas", "wkv7_gpu", "Tuning", "PRECISIONS"]
 
 
-def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=64,
+def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=None,
                 output_dtype=None, *, precision=None, interpret=None, tuning=None):
     """WKV7 with the Pallas kernel of the current backend. Returns `(o, final_state)`.
 
-    Args: as `wkv7_gpu` (see `gpu.py`). `precision` ("default" | "highest" | None) is passed to
-    the backend kernel (None: the backend's default; on GPU "highest" for float32 inputs, else
-    TF32). `interpret`: None picks the interpreter on CPU only. `tuning` applies to the GPU.
+    Args: as `wkv7_gpu` (see `gpu.py`); `chunk_size` None picks the backend's default (GPU and
+    the CPU interpreter: 32, the GPU kernel's measured fastest; TPU: 64, as before).
+    `precision` ("default" | "highest" | None) is passed to the backend kernel (None: the
+    backend's default; on GPU "highest" for float32 inputs, else TF32). `interpret`: None
+    picks the interpreter on CPU only. `tuning` applies to the GPU.
     """
     backend = jax.default_backend()
+    if chunk_size is None:
+        chunk_size = 64 if backend == "tpu" and not interpret else 32
     if backend == "tpu" and not interpret:
         from lwm_jax.kernels.wkv7.tpu import wkv7_tpu  # imported lazily: Mosaic TPU only
         extra = {} if precision is None else {"precision": precision}

@@ -2,7 +2,8 @@
 
 Forward  = `intra_fwd` (chunk-parallel) + `seq_fwd` (sequential over chunks, V split across
 programs). Backward = `seq_bwd` (reverse sequential, state cotangents) + `intra_bwd`
-(chunk-parallel input gradients). See `gpu_kernels.py` for shapes and `gpu_chunk.py` for the math.
+(chunk-parallel input gradients). See `gpu_kernels.py` for shapes, `gpu_chunk.py` for the math
+and `gpu_chunk_t.py` for the stacked backward used at C <= 32.
 
 Value columns evolve independently, so V > 64 runs as blocks of 64 columns (the key-side work
 is repeated per block). Saved for the backward (float32, per chunk, nothing of size T*K*V):
@@ -129,20 +130,22 @@ def chunk_reset_counter(segment_ids, T_pad, C):
     return jnp.cumsum(resets.reshape(B, T_pad // C, C), axis=2).reshape(B, T_pad)
 
 
-def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=64,
+def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=32,
              output_dtype=None, *, precision=None, interpret=False, tuning=None):
     """WKV7 forward (and, through `jax.custom_vjp`, backward) with Pallas-Triton kernels.
 
     Args:
       r, w, k, a, b: `[B, T, H, K]`; v: `[B, T, H, V]`. r/k/v/a/b share one dtype (float32,
-        bfloat16 or float16); w (log-decay, <= 0) is float32 or that dtype. K <= 64 and V: powers of 2 >= 16.
+        bfloat16 or float16); w (log-decay, <= 0) is float32 or that dtype. K <= 64 and V:
+        powers of 2 >= 16.
         Precondition: -(sum of w over one chunk) < ~80 (RWKV-7's w > -exp(-0.5) gives <= 38.8
         at C = 64); beyond that e^{-cumsum} overflows. Use a smaller chunk for larger decays.
       initial_state: `[B, H, K, V]` float32 or None (zeros). Differentiable.
       segment_ids: int `[B, T]` or None; the state resets where the id changes.
       chunk_size: C, a power of two >= 16 (lowered to the next power of two >= T for short T).
-        On an H200, C = 32 was measured faster than 64 (fwd+bwd 6.46 vs 6.85 ms at
-        B, T, H, D = 4, 4096, 32, 64; benchmarks/RESULTS.md).
+        Default 32: with the stacked backward (`gpu_chunk_t`), fwd+bwd took 3.99 ms at
+        B, T, H, D = 4, 4096, 32, 64 on an H200 (benchmarks/RESULTS.md, 2026-11-21 second
+        section); C = 64 (row-form two-launch backward) took 6.85 ms in an earlier call.
       output_dtype: dtype of `o` (default: v's dtype).
       precision: "default" (TF32 tensor-core matmuls, fp32 accumulation) or "highest" (IEEE fp32
         matmuls: the exact mode). None picks "highest" for float32 inputs, else "default".

@@ -15,7 +15,9 @@ Shapes (after padding T to Tp = NT * C; BH = B * H; intermediates are chunk-majo
               cotangent of each chunk's end state [BH, NT, K, V] and d(initial state).
   intra_bwd   grid (BH, NT), chunk-parallel: recomputes the chunk's factors from the inputs,
               start state and `inv`, and writes dr, dw, dk, dv, da, db in the inputs' dtypes;
-              one launch, or two (`Tuning.split_bwd`: U, dX, dv first, via HBM).
+              one launch in "stacked" form (`gpu_chunk_t`, all dots 64-row wgmma at C = 32) or
+              row form (`gpu_chunk`), or two row-form launches (`Tuning.split_bwd`: U, dX, dv
+              first, via HBM; C = 64).
 
 `Tuning` holds the launch parameters; `resolve` fills the unset ones from measurements.
 """
@@ -35,7 +37,7 @@ _SQ = pl.squeezed
 
 
 class Tuning(NamedTuple):
-    """Launch parameters; None = pick by `resolve` (choices measured in benchmarks/NOTES-wkv7.md)."""
+    """Launch parameters; None = pick by `resolve` (measured choices: benchmarks/NOTES-wkv7.md)."""
     block_v: int | None = None      # V columns per program of seq_fwd
     block_v_bwd: int | None = None  # V columns per program of seq_bwd
     warps_intra: int | None = None  # intra_fwd / out_fwd
@@ -44,12 +46,11 @@ class Tuning(NamedTuple):
     stages_seq: int | None = None   # software pipelining depth of the sequential loops
     split_bwd: bool | None = None   # intra_bwd as two launches (bwd_values, bwd_inputs)
     split_out: bool | None = None   # outputs o = Q S + O0 in a chunk-parallel launch (out_fwd)
-    bwd_form: str | None = None     # one-launch backward: "rows" (gpu_chunk), "cols" or
-                                    # "stacked" (gpu_chunk_t); IEEE-fp32 mode always uses "rows"
+    bwd_form: str | None = None     # one-launch backward: "rows" (gpu_chunk) or "stacked"
+                                    # (gpu_chunk_t); IEEE-fp32 mode always uses "rows"
 
 
-_BWD_FORMS = {"rows": gpu_chunk.intra_backward, "cols": gpu_chunk_t.intra_backward_t,
-              "stacked": gpu_chunk_t.intra_backward_s}
+_BWD_FORMS = {"rows": gpu_chunk.intra_backward, "stacked": gpu_chunk_t.intra_backward_stacked}
 
 
 def resolve(tune: Tuning | None, C: int, BH: int, V: int) -> Tuning:
