@@ -1,0 +1,108 @@
+"""Inference throughput: prefill tokens/s and RNN-mode decode tokens/s (batch 1 and 64).
+
+Random-weight models of the released shapes (throughput does not depend on the weights), built
+with the official init, run through the public `lwm_jax.generate.Generator` (decode: one jitted
+step per token, host sync per token as a streaming user sees it) and the model's stateful
+forward (prefill, WKV `auto` = Pallas kernel on GPU).
+
+    python benchmarks/generate.py                      # 0.1B and 1.5B, policy bf16
+    python benchmarks/generate.py --models tiny        # smoke run on CPU
+
+Prints one JSON line per measurement and a table at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.generate import Generator
+from lwm_jax.models.rwkv7 import RWKV7
+
+MODELS = {
+    "0.1b": ModelConfig(vocab_size=65536, n_layer=12, n_embd=768, scan_layers=True),
+    "1.5b": ModelConfig(vocab_size=65536, n_layer=24, n_embd=2048, decay_lora=96, a_lora=96,
+                        v_lora=64, gate_lora=256, scan_layers=True),
+    "tiny": ModelConfig(vocab_size=256, n_layer=2, n_embd=128, scan_layers=True),
+}
+
+
+def _median_time(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def bench_prefill(model, batch: int, length: int, reps: int) -> dict:
+    """Stateful forward over `[batch, length]` random tokens, returning the state (= prefill)."""
+    graph, params, rest = nnx.split(model, nnx.Param, ...)
+
+    @jax.jit
+    def prefill(params, tokens_BT):
+        m = nnx.merge(graph, params, rest)
+        return m(tokens_BT, return_state=True)[1]
+
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (batch, length)), jnp.int32)
+    t0 = time.perf_counter()
+    jax.block_until_ready(prefill(params, tokens))
+    compile_s = time.perf_counter() - t0
+    sec = _median_time(lambda: prefill(params, tokens), reps)
+    return {"kind": "prefill", "batch": batch, "tokens": length, "ms": sec * 1e3,
+            "tok_per_s": batch * length / sec, "first_call_s": compile_s}
+
+
+def bench_decode(model, batch: int, new_tokens: int, reps: int) -> dict:
+    """`Generator.generate` from 1-token prompts: `new_tokens` sampled tokens per row."""
+    gen = Generator(model)
+    prompts = [[int(i % model.cfg.vocab_size)] for i in range(batch)]
+    t0 = time.perf_counter()
+    gen.generate(prompts, max_new_tokens=4)
+    compile_s = time.perf_counter() - t0
+    sec = _median_time(lambda: gen.generate(prompts, max_new_tokens=new_tokens).state.wkv, reps)
+    return {"kind": "decode", "batch": batch, "tokens": new_tokens, "ms": sec * 1e3,
+            "tok_per_s": batch * new_tokens / sec, "ms_per_step": sec * 1e3 / new_tokens,
+            "first_call_s": compile_s}
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", nargs="+", default=["0.1b", "1.5b"], choices=sorted(MODELS))
+    p.add_argument("--policy", default="bf16")
+    p.add_argument("--prefill", type=int, nargs=2, default=[1, 4096], metavar=("B", "T"))
+    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+    dev = jax.devices()[0]
+    rows = []
+    for name in args.models:
+        model = RWKV7(MODELS[name], args.policy, rngs=nnx.Rngs(0))
+        base = {"model": name, "params_M": round(model.param_count() / 1e6, 2),
+                "policy": args.policy, "device": dev.device_kind, "jax": jax.__version__}
+        results = [bench_prefill(model, *args.prefill, args.reps)]
+        results += [bench_decode(model, b, args.new_tokens, args.reps)
+                    for b in args.decode_batches]
+        for r in results:
+            row = {**base, **r}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        del model
+    print(f"\n| model | policy | kind | batch | tokens | ms | tokens/s | device |")
+    print("|---|---|---|---:|---:|---:|---:|---|")
+    for r in rows:
+        print(f"| {r['model']} ({r['params_M']}M) | {r['policy']} | {r['kind']} | {r['batch']} | "
+              f"{r['tokens']} | {r['ms']:.1f} | {r['tok_per_s']:,.0f} | {r['device']} |")
+
+
+if __name__ == "__main__":
+    main()
