@@ -2,13 +2,13 @@
 
 Notation for one chunk of C tokens and one head (S_0 = state before the chunk, positions 1..C):
 
-    S_t = D_t S_{t-1} + b_t u_t + k_t v_t^T,   u_t = a_t^T S_{t-1}  (a row in R^V),  D_t = diag(e^{w_t})
+    S_t = D_t S_{t-1} + b_t u_t + k_t v_t^T,  u_t = a_t^T S_{t-1} (row in R^V),  D_t = diag(e^{w_t})
     g_t = w_1 + ... + w_t  (per key channel),  decay from s to t:  e^{g_t - g_s}  (<= 1 for s <= t)
 
 Unrolling, with strictly lower / lower triangular C x C matrices
 
-    A_ab[t,s] = sum_k a_t e^{g_{t-1} - g_s} b_s   (s < t)     A_rb[t,s] = sum_k r_t e^{g_t - g_s} b_s  (s <= t)
-    A_ak[t,s] = same with k_s                                  A_rk[t,s] = same with k_s
+    A_ab[t,s] = sum_k a_t e^{g_{t-1} - g_s} b_s  (s < t),   A_ak[t,s]: same with k_s
+    A_rb[t,s] = sum_k r_t e^{g_t - g_s} b_s      (s <= t),  A_rk[t,s]: same with k_s
 
 the rows u_t solve the unit lower triangular system (the WY / forward-substitution step)
 
@@ -35,6 +35,25 @@ import jax.numpy as jnp
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 MAX_SUB_BLOCK = 16
+
+
+def unit_lower_inverse(A_CC):
+    """`(I - A)^{-1}` for strictly lower triangular `A` `[..., C, C]` (float32), by matmuls only.
+
+    A is nilpotent (A^C = 0), so `(I - A)^{-1} = (I + A)(I + A^2)(I + A^4)...` with
+    ceil(log2 C) factors (they commute). Matmuls instead of a LAPACK triangular solve: the same
+    algebra as the Pallas kernels, tensor-core friendly on GPU, and no LAPACK custom call on CPU
+    (whose batched form can deadlock XLA:CPU's intra-op pool on small machines).
+    """
+    C = A_CC.shape[-1]
+    inv = jnp.eye(C, dtype=jnp.float32) + A_CC
+    power = A_CC
+    span = 2
+    while span < C:
+        power = _mm("...ij,...jk->...ik", power, power)
+        inv = inv + _mm("...ij,...jk->...ik", inv, power)
+        span *= 2
+    return inv
 
 
 def sub_block_size(chunk_size: int) -> int:
@@ -183,12 +202,10 @@ def chunk_terms(r, w, k, v, a, b, masks, sub_block):
         to_end = jnp.where(m_end[..., None], to_end, 0.0)
         decay_all_K = jnp.where(m0[..., -1:], decay_all_K, 0.0)
 
-    # Forward substitution for U = W S_0 + U_v (unit lower triangular system).
-    L_CC = jnp.eye(C, dtype=jnp.float32) - A_ab
-    solve = lambda rhs: jax.lax.linalg.triangular_solve(L_CC, rhs, left_side=True, lower=True,
-                                                        unit_diagonal=True)
-    W_CK = solve(a_dec)
-    Uv_CV = solve(_mm("...ts,...sv->...tv", A_ak, v))
+    # U = W S_0 + U_v from the unit lower triangular system (I - A_ab) U = rhs.
+    inv_CC = unit_lower_inverse(A_ab)
+    W_CK = _mm("...ts,...sk->...tk", inv_CC, a_dec)
+    Uv_CV = _mm("...ts,...sv->...tv", inv_CC, _mm("...ts,...sv->...tv", A_ak, v))
 
     Q_CK = r_dec + _mm("...ts,...sk->...tk", A_rb, W_CK)
     O_CV = _mm("...ts,...sv->...tv", A_rb, Uv_CV) + _mm("...ts,...sv->...tv", A_rk, v)

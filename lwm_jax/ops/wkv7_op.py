@@ -77,7 +77,8 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
     if initial_state is not None:
         if not hasattr(initial_state, "shape") or tuple(initial_state.shape) != (B, H, K, V):
             got = tuple(getattr(initial_state, "shape", ())) or type(initial_state).__name__
-            raise ValueError(f"wkv7: initial_state must be [B, H, K, V] = {(B, H, K, V)}, got {got}")
+            raise ValueError(f"wkv7: initial_state must be [B, H, K, V] = {(B, H, K, V)}, "
+                             f"got {got}")
         if not jnp.issubdtype(initial_state.dtype, jnp.floating):
             raise TypeError(f"wkv7: initial_state has dtype {initial_state.dtype}; it must be "
                             "float32")
