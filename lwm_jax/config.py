@@ -30,7 +30,8 @@ class ModelConfig:
         (see `resolved()`), read from tensor shapes when importing a checkpoint.
       ffn_mult: ChannelMix hidden size = ffn_mult * C (4 in RWKV-7).
       wkv_impl: WKV7 implementation ("auto" = Pallas kernel on GPU/TPU, chunked XLA on CPU).
-      chunk_size: chunk length for the chunked and Pallas WKV7.
+      chunk_size: chunk length for the chunked and Pallas WKV7; 0 = the implementation's
+        default (Pallas: 32 on GPU, 64 on TPU; chunked XLA: 64).
       remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
         Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
@@ -46,21 +47,22 @@ class ModelConfig:
     gate_lora: int = 0
     ffn_mult: int = 4
     wkv_impl: str = "auto"
-    chunk_size: int = 64
+    chunk_size: int = 0
     remat: bool = False
     scan_layers: bool = False
 
     def __post_init__(self):
         def bad(field, msg):
             raise ValueError(f"model.{field}: {msg}")
-        for f in ("vocab_size", "n_layer", "n_embd", "head_size", "ffn_mult", "chunk_size"):
+        for f in ("vocab_size", "n_layer", "n_embd", "head_size", "ffn_mult"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f, f"must be a positive integer, got {v!r}")
-        for f in ("decay_lora", "a_lora", "v_lora", "gate_lora"):
+        for f in ("decay_lora", "a_lora", "v_lora", "gate_lora", "chunk_size"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                bad(f, f"must be an integer >= 0 (0 = RWKV-LM default rule), got {v!r}")
+                rule = "the implementation's default" if f == "chunk_size" else "RWKV-LM default rule"
+                bad(f, f"must be an integer >= 0 (0 = {rule}), got {v!r}")
         if self.n_embd % self.head_size:
             bad("n_embd", f"{self.n_embd} is not a multiple of model.head_size={self.head_size}")
         if self.wkv_impl not in WKV_IMPLS:

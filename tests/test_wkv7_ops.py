@@ -215,7 +215,7 @@ def _bad(i, x):
     (_bad(3, lambda x: x[0]), {}, ValueError, r"v must be 4-D \[B, T, H, V\]"),
     (_bad(3, lambda x: x[:, :2]), {}, ValueError, r"v has shape \(1, 2, 1, 8\)"),
     (_bad(0, lambda x: x), {"impl": "triton"}, ValueError, r"impl must be one of"),
-    (_bad(0, lambda x: x), {"chunk_size": 0}, ValueError, r"chunk_size must be an int >= 1"),
+    (_bad(0, lambda x: x), {"chunk_size": 0}, ValueError, r"chunk_size must be None \(the implementation.s default\) or an int >= 1"),
     (_bad(0, lambda x: x), {"initial_state": jnp.zeros((1, 1, 8, 4))}, ValueError,
      r"initial_state must be \[B, H, K, V\] = \(1, 1, 8, 8\)"),
     (_bad(0, lambda x: x), {"segment_ids": jnp.zeros((1, 5), jnp.int32)}, ValueError,

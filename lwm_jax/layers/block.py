@@ -59,7 +59,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
-        head_size=cfg.head_size, wkv_impl=cfg.wkv_impl, chunk_size=cfg.chunk_size,
+        head_size=cfg.head_size, wkv_impl=cfg.wkv_impl, chunk_size=cfg.chunk_size or None,
         segment_ids_BT=segment_ids_BT)
     x_BTC = x_BTC + att
     xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)

@@ -79,7 +79,6 @@ def stacked_vectors(fn, n_layer: int, *args) -> dict[str, np.ndarray]:
     return {k: np.stack([d[k] for d in per_layer]) for k in per_layer[0]}
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "gain", "dtype"))
 def orthogonal(key, shape: tuple[int, ...], gain: float, dtype: Any = jnp.float32):
     """Semi-orthogonal matrix (or batch of them) times `gain`.
 
@@ -87,8 +86,18 @@ def orthogonal(key, shape: tuple[int, ...], gain: float, dtype: Any = jnp.float3
     the rows (`WWᵀ = gain² I_m`); same convention as torch's `orthogonal_` on the transposed
     weight. Built from a Gaussian by QR, with the signs of `diag(R)` folded into Q so the result
     is uniformly (Haar) distributed and a deterministic function of `key`. Leading dims = batch.
-    Jitted (one compile per shape/gain/dtype); `shape` must be a tuple.
+    Jitted (one compile per shape/gain/dtype). Outside a trace the result is waited for, so
+    only one LAPACK QR is ever in flight: two batched QRs running at once can deadlock XLA:CPU's
+    intra-op thread pool on a 2-core machine (both wait for pool threads the other holds).
     """
+    q = _orthogonal(key, tuple(shape), float(gain), dtype)
+    if not isinstance(q, jax.core.Tracer):
+        q.block_until_ready()
+    return q
+
+
+@functools.partial(jax.jit, static_argnames=("shape", "gain", "dtype"))
+def _orthogonal(key, shape, gain, dtype):
     *batch, m, n = shape
     big, small = max(m, n), min(m, n)
     a = jax.random.normal(key, (*batch, big, small), jnp.float32)

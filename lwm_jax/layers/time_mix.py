@@ -101,7 +101,7 @@ def _lora(policy, x_BTC, down, up):
 
 
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
-                     head_size: int, wkv_impl: str = "auto", chunk_size: int = 64,
+                     head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
                      segment_ids_BT=None) -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
