@@ -1,0 +1,98 @@
+"""From the `data` config section to global token batches on the mesh.
+
+Train batches come from a shuffled `WindowSampler` (state = its step, saved in checkpoints);
+validation uses a fixed, unshuffled sampler over the held-out tokens, so every evaluation scores
+the same windows. Each host reads only its rows of the global batch (`jax.process_index()`),
+and `jax.make_array_from_process_local_data` assembles the global array.
+"""
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
+from lwm_jax.tokenizers import get_tokenizer
+from lwm_jax.train.config import DataSection, TrainSection
+
+
+@dataclasses.dataclass
+class TokenSplits:
+    """Flat token arrays (memmaps) of the two splits; `val` is None when nothing is held out."""
+
+    train: np.ndarray
+    val: np.ndarray | None
+    description: str
+
+
+def load_splits(d: DataSection, model: ModelConfig) -> TokenSplits:
+    """Open the configured data (or the embedded corpus) and split off validation tokens."""
+    vocab = _tokenizer_vocab(d.tokenizer)
+    if vocab is not None and vocab > model.vocab_size:
+        raise ValueError(f"model.vocab_size: {model.vocab_size} is smaller than the "
+                         f"{d.tokenizer!r} tokenizer's vocabulary ({vocab})")
+    if d.path is None:
+        if d.tokenizer != "byte":
+            raise ValueError(f"data.tokenizer: the embedded corpus is byte-level; set "
+                             f"data.tokenizer=byte or give data.path (got {d.tokenizer!r})")
+        if d.val_fraction <= 0:
+            raise ValueError("data.val_fraction: the embedded corpus needs a held-out split "
+                             "> 0 (default 0.05)")
+        train, val = stdlib_corpus(val_fraction=d.val_fraction)
+        return TokenSplits(train, val, f"embedded Python-stdlib corpus ({len(train):,} train / "
+                                       f"{len(val):,} val byte tokens)")
+    ds = BinIdxDataset(d.path)
+    if d.val_path is not None:
+        train, val = ds.tokens, BinIdxDataset(d.val_path).tokens
+    elif d.val_fraction > 0:
+        train, val = split_train_val(ds.tokens, d.val_fraction, ds.sequence_bounds())
+    else:
+        train, val = ds.tokens, None
+    desc = f"{d.path} ({len(train):,} train / {0 if val is None else len(val):,} val tokens)"
+    return TokenSplits(train, val, desc)
+
+
+def _tokenizer_vocab(spec: str) -> int | None:
+    """The tokenizer's vocabulary size, or None (with a warning) when it cannot be loaded:
+    training reads token ids only, the tokenizer just guards `model.vocab_size`."""
+    try:
+        return get_tokenizer(spec).vocab_size
+    except (OSError, ValueError, ImportError) as e:
+        warnings.warn(f"data.tokenizer: cannot load {spec!r} ({e}); not checking "
+                      "model.vocab_size against it", RuntimeWarning, stacklevel=3)
+        return None
+
+
+def train_sampler(tokens: np.ndarray, t: TrainSection) -> WindowSampler:
+    """Shuffled windows of `ctx_len + 1` tokens, this host's share of `batch_size` per step."""
+    try:
+        return WindowSampler(tokens, t.ctx_len, t.batch_size, seed=t.seed,
+                             host_index=jax.process_index(), host_count=jax.process_count())
+    except ValueError as e:
+        raise ValueError(f"data.path: training split too small: {e}") from None
+
+
+def val_sampler(tokens: np.ndarray, t: TrainSection) -> WindowSampler:
+    """Fixed (unshuffled, offset 0) validation windows; batch i is `batch_at(i)`."""
+    try:
+        return WindowSampler(tokens, t.ctx_len, t.batch_size, seed=t.seed, shuffle=False,
+                             random_offset=False, host_index=jax.process_index(),
+                             host_count=jax.process_count())
+    except ValueError as e:
+        raise ValueError(f"data.val_fraction: validation split too small: {e}") from None
+
+
+def to_global(local_BT1: np.ndarray, sharding: NamedSharding, global_batch: int,
+              grad_accum: int = 1) -> jax.Array:
+    """This host's `[b, T+1]` rows -> global `[B, T+1]` (or `[A, B/A, T+1]`) jax.Array."""
+    width = local_BT1.shape[-1]
+    if grad_accum > 1:
+        local = local_BT1.reshape(grad_accum, -1, width)
+        shape = (grad_accum, global_batch // grad_accum, width)
+    else:
+        local, shape = local_BT1, (global_batch, width)
+    return jax.make_array_from_process_local_data(sharding, local, shape)

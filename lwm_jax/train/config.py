@@ -1,0 +1,371 @@
+"""Typed run configuration for `lwm-jax train`: YAML file + dotted overrides -> `RunConfig`.
+
+A run config has a few top-level keys (`name`, `run_dir`, `precision`) and five sections:
+
+| section      | type              | what                                                        |
+|--------------|-------------------|-------------------------------------------------------------|
+| `model`      | `ModelConfig`     | RWKV-7 shapes (`lwm_jax.config.ModelConfig.from_dict`)      |
+| `train`      | `TrainSection`    | optimiser, schedule, batch, loop cadence                    |
+| `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
+| `checkpoint` | `CheckpointSection` | where/how often to save, how many to keep, async or not   |
+| `mesh`       | `MeshSection`     | device-mesh axis sizes (data, fsdp, tensor, sequence)       |
+
+Every key a YAML file leaves out takes its built-in default, and the built-in defaults ARE the
+tiny run (`configs/tiny.yaml` mirrors them; a test keeps the two equal), so `lwm-jax train` with
+no `--config` works from any directory. Values in YAML and in overrides (`train.lr=3e-4`) are
+parsed with `yaml.safe_load`; numbers written like `6e-4` (a string to YAML 1.1) are accepted for
+float keys. Every mistake is a one-line `ValueError` that starts with the dotted key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import types
+import typing
+from typing import Any, Sequence
+
+import yaml
+
+from lwm_jax.config import ModelConfig
+from lwm_jax.precision import parse_policy
+
+# The tiny model: L4 D256 byte-level, 3.6M parameters.
+TINY_MODEL = ModelConfig(vocab_size=256, n_layer=4, n_embd=256, head_size=64)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSection:
+    """Optimiser and loop settings.
+
+    lr / min_lr: peak and final learning rate (cosine from lr to min_lr after warmup).
+    warmup_steps: steps of the RWKV-LM warmup multiplier 0.01 + 0.99·step/warmup_steps.
+    steps: optimizer steps in the run.
+    batch_size: sequences per optimizer step (global, across devices and micro-batches).
+    ctx_len: tokens per sequence (the model sees ctx_len tokens and predicts the next ctx_len).
+    grad_accum: micro-batches per step (batch_size / grad_accum sequences each, summed exactly).
+    weight_decay: decoupled AdamW decay, applied to projection/embedding/head matrices only.
+    betas, eps: AdamW moment decay rates and epsilon (moments are always float32).
+    grad_clip: global-norm clip threshold (0 = no clipping).
+    l2wrap: add RWKV-LM's L2Wrap gradient on each position's max logit.
+    seed: initialisation / data-order seed.
+    eval_every: validation every this many steps (0 = only at the end).
+    eval_batches: batches of `batch_size` sequences per validation.
+    log_every: steps between metric records.
+    """
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    warmup_steps: int = 10
+    steps: int = 150
+    batch_size: int = 16
+    ctx_len: int = 128
+    grad_accum: int = 1
+    weight_decay: float = 0.001
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-18
+    grad_clip: float = 1.0
+    l2wrap: bool = True
+    seed: int = 0
+    eval_every: int = 25
+    eval_batches: int = 4
+    log_every: int = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class DataSection:
+    """Training data.
+
+    path: prefix of a binidx pair (`<path>.bin` + `<path>.idx`), or null for the embedded default
+      corpus (Python standard-library sources, byte-level tokenised, with a held-out split).
+    val_path: prefix of a separate validation binidx pair; null = hold out `val_fraction` of
+      `path`'s documents.
+    tokenizer: "byte", "world[:vocab_path]" or "hf:path/to/tokenizer.json"; it must match the
+      tokenizer the binidx was written with (only its vocabulary size is used in training).
+    val_fraction: fraction of documents held out for validation when `val_path` is null.
+    """
+
+    path: str | None = None
+    val_path: str | None = None
+    tokenizer: str = "byte"
+    val_fraction: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointSection:
+    """Checkpoints (orbax). dir: null = `<run_dir>/checkpoints`. every: steps between saves
+    (0 = only at the end). keep: newest checkpoints kept. async: save in a background thread."""
+
+    dir: str | None = None
+    every: int = 50
+    keep: int = 3
+    async_: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Device-mesh axis sizes; exactly one may be -1 (= all remaining devices)."""
+
+    data: int = -1
+    fsdp: int = 1
+    tensor: int = 1
+    sequence: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    """A whole training run. name: run name (default run dir `runs/<name>`); run_dir: null =
+    `runs/<name>` relative to the working directory; precision: a `parse_policy` string."""
+
+    name: str = "tiny"
+    run_dir: str | None = None
+    precision: str = "fp32"
+    model: ModelConfig = TINY_MODEL
+    train: TrainSection = TrainSection()
+    data: DataSection = DataSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    mesh: MeshSection = MeshSection()
+
+    @property
+    def resolved_run_dir(self) -> str:
+        return self.run_dir or os.path.join("runs", self.name)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        return self.checkpoint.dir or os.path.join(self.resolved_run_dir, "checkpoints")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain YAML-able dict (the inverse of `build_config`)."""
+        out: dict[str, Any] = {"name": self.name, "run_dir": self.run_dir,
+                               "precision": self.precision, "model": self.model.to_dict()}
+        for sec in _SECTIONS:
+            d = dataclasses.asdict(getattr(self, sec))
+            out[sec] = {_yaml_key(k): list(v) if isinstance(v, tuple) else v for k, v in d.items()}
+        return out
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+
+_SECTIONS = {"train": TrainSection, "data": DataSection, "checkpoint": CheckpointSection,
+             "mesh": MeshSection}
+_TOP_SCALARS = ("name", "run_dir", "precision")
+
+
+def _yaml_key(field_name: str) -> str:
+    return field_name.rstrip("_")          # `async_` is spelled `async` in YAML
+
+
+def _fail(key: str, msg: str):
+    raise ValueError(f"{key}: {msg}")
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Check/convert one YAML value against a field annotation (int, float, bool, str, tuples)."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        (inner,) = [a for a in args if a is not type(None)]
+        return _coerce(key, value, inner)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            _fail(key, f"expected a list of {len(args)} numbers, got {value!r}")
+        return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if not isinstance(value, bool):
+            _fail(key, f"expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            _fail(key, f"expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, str):           # YAML 1.1 reads `6e-4` as a string
+            try:
+                value = float(value)
+            except ValueError:
+                _fail(key, f"expected a number, got {value!r}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not math.isfinite(value):
+            _fail(key, f"expected a finite number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            _fail(key, f"expected a string, got {value!r}")
+        return value
+    raise TypeError(f"{key}: unsupported field type {tp!r}")   # programming error, not user input
+
+
+def _build_section(cls, where: str, raw: Any):
+    if not isinstance(raw, dict):
+        _fail(where, f"expected a mapping of keys, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    by_yaml = {_yaml_key(f.name): f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(map(str, raw)) - set(by_yaml))
+    if unknown:
+        _fail(f"{where}.{unknown[0]}", f"unknown key; valid keys: {', '.join(sorted(by_yaml))}")
+    kwargs = {by_yaml[k]: _coerce(f"{where}.{k}", v, hints[by_yaml[k]]) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _check_values(cfg: RunConfig) -> None:
+    t, d, c, m = cfg.train, cfg.data, cfg.checkpoint, cfg.mesh
+    positive = {"train.lr": t.lr, "train.eps": t.eps, "train.steps": t.steps,
+                "train.batch_size": t.batch_size, "train.ctx_len": t.ctx_len,
+                "train.grad_accum": t.grad_accum, "train.eval_batches": t.eval_batches,
+                "train.log_every": t.log_every, "checkpoint.keep": c.keep}
+    for key, v in positive.items():
+        too_small = v < 1 if isinstance(v, int) else v <= 0
+        if too_small:
+            _fail(key, f"must be {'>= 1' if isinstance(v, int) else '> 0'}, got {v}")
+    non_negative = {"train.min_lr": t.min_lr, "train.warmup_steps": t.warmup_steps,
+                    "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
+                    "train.eval_every": t.eval_every, "train.seed": t.seed,
+                    "checkpoint.every": c.every}
+    for key, v in non_negative.items():
+        if v < 0:
+            _fail(key, f"must be >= 0, got {v}")
+    if t.min_lr > t.lr:
+        _fail("train.min_lr", f"{t.min_lr} is larger than train.lr={t.lr}; lower train.min_lr too")
+    for i, beta in enumerate(t.betas):
+        if not 0.0 <= beta < 1.0:
+            _fail(f"train.betas[{i}]", f"must be in [0, 1), got {beta}")
+    if t.batch_size % t.grad_accum:
+        _fail("train.batch_size", f"{t.batch_size} is not divisible by train.grad_accum="
+                                  f"{t.grad_accum}")
+    if not 0.0 <= d.val_fraction < 1.0:
+        _fail("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
+    for key, prefix in (("data.path", d.path), ("data.val_path", d.val_path)):
+        if prefix is not None:
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(binidx_prefix(prefix) + ext):
+                    _fail(key, f"{binidx_prefix(prefix) + ext} not found; give the prefix of a "
+                               "binidx pair (<prefix>.bin + <prefix>.idx), or null for the "
+                               "embedded corpus")
+    if d.val_path is not None and d.path is None:
+        _fail("data.val_path", "needs data.path too (the embedded corpus has its own split)")
+    sizes = dataclasses.asdict(m)
+    for axis, size in sizes.items():
+        if size != -1 and size < 1:
+            _fail(f"mesh.{axis}", f"must be >= 1 or -1 (= the remaining devices), got {size}")
+    if list(sizes.values()).count(-1) > 1:
+        _fail("mesh", "at most one axis may be -1")
+    if not cfg.name or "/" in cfg.name:
+        _fail("name", f"must be a non-empty name without '/', got {cfg.name!r}")
+
+
+def binidx_prefix(path: str) -> str:
+    """`data/x.bin`, `data/x.idx` and `data/x` all name the binidx pair `data/x`."""
+    root, ext = os.path.splitext(path)
+    return root if ext in (".bin", ".idx") else path
+
+
+def build_config(raw: dict[str, Any]) -> RunConfig:
+    """Validate a plain dict (YAML contents, overrides applied) into a `RunConfig`.
+
+    Keys missing from `raw` take the defaults of `RunConfig()` (the tiny run).
+    """
+    if not isinstance(raw, dict):
+        raise ValueError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
+    valid = sorted([*_TOP_SCALARS, "model", *_SECTIONS])
+    unknown = sorted(set(map(str, raw)) - set(valid))
+    if unknown:
+        _fail(unknown[0], f"unknown key; valid keys: {', '.join(valid)}")
+    base = RunConfig().to_dict()
+    hints = typing.get_type_hints(RunConfig)
+    top = {k: _coerce(k, raw.get(k, base[k]), hints[k]) for k in _TOP_SCALARS}
+    parse_policy(top["precision"])            # raises "precision: ..." on a bad string
+    model_raw = raw.get("model", {})
+    if not isinstance(model_raw, dict):
+        _fail("model", f"expected a mapping of keys, got {model_raw!r}")
+    model = ModelConfig.from_dict({**base["model"], **model_raw}, where="model")
+    sections = {}
+    for sec, cls in _SECTIONS.items():
+        given = raw.get(sec, {})
+        if not isinstance(given, dict):
+            _fail(sec, f"expected a mapping of keys, got {given!r}")
+        sections[sec] = _build_section(cls, sec, {**base[sec], **given})
+    cfg = RunConfig(**top, model=model, **sections)
+    _check_values(cfg)
+    return cfg
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply `a.b=value` strings to a nested dict (value parsed by `yaml.safe_load`)."""
+    out = _deep_copy(raw)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not p for p in key.split(".")):
+            raise ValueError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise ValueError(f"{key}: cannot parse value {text!r} as YAML "
+                             f"({str(e).splitlines()[0]})") from None
+        node = out
+        parts = key.split(".")
+        for i, part in enumerate(parts[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                _fail(".".join(parts[:i + 1]), f"is a value, not a section; cannot set {key}")
+            node = child
+        node[parts[-1]] = value
+    return out
+
+
+def _deep_copy(d: Any) -> Any:
+    return {k: _deep_copy(v) for k, v in d.items()} if isinstance(d, dict) else d
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
+    """Read a YAML run config (None = the built-in tiny defaults), apply overrides, validate.
+
+    Without a `name:` key the run is named after the file (`configs/rwkv7-0.1b.yaml` ->
+    `rwkv7-0.1b`).
+    """
+    raw: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.isfile(path):
+            raise ValueError(f"--config: {path} not found")
+        with open(path, encoding="utf-8") as f:
+            try:
+                loaded = yaml.safe_load(f)
+            except yaml.YAMLError as e:
+                raise ValueError(f"--config: {path} is not valid YAML "
+                                 f"({' '.join(str(e).split())})") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ValueError(f"--config: {path} must hold a mapping at the top level")
+        raw = loaded or {}
+        raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
+    return build_config(apply_overrides(raw, overrides))
+
+
+def mesh_shape(mesh: MeshSection, n_devices: int) -> dict[str, int]:
+    """Resolve -1 in the mesh section against the device count; one-line error on a mismatch."""
+    sizes = dataclasses.asdict(mesh)
+    fixed = math.prod(v for v in sizes.values() if v != -1)
+    if -1 in sizes.values():
+        if n_devices % fixed:
+            _fail("mesh", f"the fixed axis sizes {sizes} (product {fixed}) do not divide the "
+                          f"{n_devices} available devices")
+        sizes = {k: (n_devices // fixed if v == -1 else v) for k, v in sizes.items()}
+    elif fixed != n_devices:
+        _fail("mesh", f"data*fsdp*tensor*sequence = {fixed} but {n_devices} devices are "
+                      "available; set one axis to -1 to fill")
+    return sizes
+
+
+def check_against_mesh(cfg: RunConfig, sizes: dict[str, int]) -> None:
+    """Batch/sequence divisibility by the mesh (needs the device count, so not in build_config)."""
+    t = cfg.train
+    dp = sizes["data"] * sizes["fsdp"]
+    micro = t.batch_size // t.grad_accum
+    if micro % dp:
+        _fail("train.batch_size", f"{t.batch_size} sequences ({micro} per micro-batch with "
+                                  f"train.grad_accum={t.grad_accum}) is not divisible by "
+                                  f"mesh data*fsdp = {dp} devices")
+    if t.ctx_len % sizes["sequence"]:
+        _fail("train.ctx_len", f"{t.ctx_len} is not divisible by mesh.sequence="
+                               f"{sizes['sequence']}")

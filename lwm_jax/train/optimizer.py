@@ -1,0 +1,138 @@
+"""AdamW with RWKV-LM's parameter groups, its warmup + cosine schedule, and float32 moments.
+
+Groups (RWKV-LM `configure_optimizers`):
+- weight decay only on projection / embedding / head matrices: parameters whose logical axes,
+  not counting the stacked `layers` axis, have at least 2 dims, touch `embed`, `vocab` or `mlp`,
+  and are not LoRA factors (no `lora` axis). So token-shift mixes, biases, norms, `r_k`
+  [heads, head_dim] and the LoRA `w1/w2/a1/...` matrices are not decayed — in RWKV-LM those are
+  not `*.weight` tensors.
+- `w0` (decay bias) at 2x the learning rate (and no decay: it is 1-D per layer).
+
+The update is `p <- p - lr(step) * mult * (m̂ / (sqrt(v̂) + eps) + wd * p)` (decoupled decay as
+in `torch.optim.AdamW`), after clipping the gradient's global norm. The learning rate is passed
+to `update(..., lr=...)` by the train step (computed from the train state's step with
+`lr_schedule`), so the schedule follows optimizer steps even when an fp16 overflow skips one.
+Adam moments are float32 whatever the parameter dtype; updates are float32 and are cast to the
+parameter dtype only when added (`optax.apply_updates`).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lwm_jax.train.config import TrainSection
+from lwm_jax.train.params import map_with_names
+
+W0_LR_MULT = 2.0
+_MATRIX_AXES = {"embed", "vocab", "mlp"}
+
+
+def wants_weight_decay(name: str, logical_axes: tuple) -> bool:
+    """True for a projection/embedding/head matrix (see the module doc for the rule)."""
+    del name
+    axes = [a for a in logical_axes if a != "layers"]
+    return len(axes) >= 2 and "lora" not in axes and bool(_MATRIX_AXES & set(axes))
+
+
+def lr_multiplier(name: str) -> float:
+    """2.0 for `w0` (any parameter whose last path component is `w0`), else 1.0."""
+    return W0_LR_MULT if name.rsplit("/", 1)[-1] == "w0" else 1.0
+
+
+def decay_mask(params: Any, axes_by_name: dict[str, tuple]) -> Any:
+    """Pytree of bools (same structure as `params`): which leaves get weight decay."""
+    return map_with_names(lambda n, _: wants_weight_decay(n, axes_by_name[n]), params)
+
+
+def lr_schedule(t: TrainSection) -> Callable[[jax.Array], jax.Array]:
+    """RWKV-LM schedule: cosine from `lr` to `min_lr` over the steps after warmup, times the
+    warmup multiplier `0.01 + 0.99 * step / warmup_steps` while `step < warmup_steps`.
+
+    `step` is the 0-based index of the optimizer step; returns a float32 scalar.
+    """
+    ratio = t.min_lr / t.lr
+    decay_steps = max(1, t.steps - t.warmup_steps)
+
+    def lr_at(step):
+        s = jnp.asarray(step, jnp.float32)
+        progress = jnp.clip((s - t.warmup_steps) / decay_steps, 0.0, 1.0)
+        mult = (0.5 + ratio / 2) + (0.5 - ratio / 2) * jnp.cos(math.pi * progress)
+        if t.warmup_steps > 0:
+            mult = mult * jnp.where(s < t.warmup_steps, 0.01 + 0.99 * s / t.warmup_steps, 1.0)
+        return (t.lr * mult).astype(jnp.float32)
+
+    return lr_at
+
+
+class AdamF32State(NamedTuple):
+    count: jax.Array   # int32 scalar: moment updates so far (for bias correction)
+    mu: Any            # float32, structure of params
+    nu: Any            # float32, structure of params
+
+
+def scale_by_adam_f32(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """Adam direction `m̂ / (sqrt(v̂) + eps)` with both moments stored in float32."""
+
+    def init(params):
+        zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
+        return AdamF32State(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params),
+                            jax.tree.map(zeros, params))
+
+    def update(grads, state, params=None):
+        del params
+        g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, g32)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, g32)
+        count = state.count + 1
+        c1 = 1 - b1 ** count.astype(jnp.float32)
+        c2 = 1 - b2 ** count.astype(jnp.float32)
+        direction = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
+        return direction, AdamF32State(count, mu, nu)
+
+    return optax.GradientTransformation(init, update)
+
+
+def applied_updates(opt_state: Any) -> jax.Array:
+    """int32 count of updates the optimizer has applied (fp16-skipped steps excluded)."""
+    found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AdamF32State))
+             if isinstance(x, AdamF32State)]
+    if len(found) != 1:
+        raise ValueError(f"optimizer state holds {len(found)} Adam states, expected 1")
+    return found[0].count
+
+
+def scale_by_lr(multipliers: Any) -> optax.GradientTransformationExtraArgs:
+    """Multiply each update by `-lr * multiplier`; `lr` is an extra argument of `update`."""
+
+    def init(params):
+        del params
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, lr, **extra):
+        del params, extra
+        lr = jnp.asarray(lr, jnp.float32)
+        return jax.tree.map(lambda u, m: (-lr * m) * u.astype(jnp.float32),
+                            updates, multipliers), state
+
+    return optax.GradientTransformationExtraArgs(init, update)
+
+
+def make_optimizer(t: TrainSection, params: Any,
+                   axes_by_name: dict[str, tuple]) -> optax.GradientTransformationExtraArgs:
+    """The full update rule. Call as `tx.update(grads, opt_state, params, lr=lr_at(step))`.
+
+    `params` may be abstract (`jax.ShapeDtypeStruct` leaves): only its structure and names are
+    used here.
+    """
+    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+    return optax.chain(
+        optax.stateless(lambda g, p=None: jax.tree.map(lambda x: x.astype(jnp.float32), g)),
+        clip,
+        scale_by_adam_f32(t.betas[0], t.betas[1], t.eps),
+        optax.add_decayed_weights(t.weight_decay, mask=decay_mask(params, axes_by_name)),
+        scale_by_lr(map_with_names(lambda n, _: lr_multiplier(n), params)),
+    )

@@ -1,0 +1,127 @@
+"""The train state and the jitted train / eval steps.
+
+One optimizer step = forward + backward over `grad_accum` micro-batches (a `lax.scan`, gradients
+summed in float32 and divided by `grad_accum`, which equals the gradient of the mean loss over
+the whole batch), optional fp16 loss scaling, global-norm clipping, AdamW. Everything runs in
+ONE `jax.jit` whose inputs and outputs carry explicit `NamedSharding`s over the mesh.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding
+
+from lwm_jax.loss_scale import DynamicLossScale, NoLossScale, all_finite
+from lwm_jax.train.loss import cross_entropy, lm_loss
+from lwm_jax.train.optimizer import applied_updates
+from lwm_jax.train.sharding import activation_spec, replicated, tokens_sharding
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything that changes during training (all arrays; checkpointed as one pytree).
+
+    step: int32 scalar, optimizer steps taken (fp16 overflow-skipped steps included).
+    params: nested dict of parameter arrays (`policy.param_dtype`).
+    opt_state: optax state (float32 Adam moments).
+    loss_scale: `DynamicLossScale` (fp16) or `NoLossScale`.
+    rng: uint32 [2] base PRNG key of the run (per-step keys: `fold_in(rng, step)`; the RWKV-7
+      model has no stochastic layers today, the key is kept so that resumes stay exact when it
+      gets one).
+    """
+
+    step: jax.Array
+    params: Any
+    opt_state: Any
+    loss_scale: DynamicLossScale | NoLossScale
+    rng: jax.Array
+
+
+def split_tokens(tokens_BT1: jax.Array, mesh: Mesh) -> tuple[jax.Array, jax.Array]:
+    """Windows `[B, T+1]` -> (inputs, targets) `[B, T]`, constrained to the activation sharding."""
+    sh = NamedSharding(mesh, activation_spec())
+    inputs = jax.lax.with_sharding_constraint(tokens_BT1[:, :-1].astype(jnp.int32), sh)
+    targets = jax.lax.with_sharding_constraint(tokens_BT1[:, 1:].astype(jnp.int32), sh)
+    return inputs, targets
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,
+                    lr_at: Callable, *, grad_accum: int, use_l2wrap: bool, mesh: Mesh,
+                    state_shardings: Any) -> Callable:
+    """Build `step(state, tokens) -> (state, metrics)`, jitted with explicit shardings.
+
+    tokens: int `[B, T+1]` when `grad_accum == 1`, else `[grad_accum, B/grad_accum, T+1]`.
+    metrics: dict of float32 scalars `loss` (mean cross-entropy, nats), `grad_norm` (global norm
+      of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied),
+      `skipped_steps` (steps so far whose update an fp16 overflow skipped).
+    State buffers are donated: the caller must use the returned state.
+    """
+
+    def loss_fn(params, tokens_BT1, loss_scale):
+        inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
+        logits_BTV = nnx.merge(graphdef, params)(inputs_BT)
+        loss = lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
+        return loss_scale.scale_loss(loss), loss
+
+    grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+
+    def gradients(params, tokens, loss_scale):
+        if grad_accum == 1:
+            (_, loss), grads = grad_fn(params, tokens, loss_scale)
+            return loss, grads
+
+        def body(carry, micro_BT1):
+            loss_sum, grad_sum = carry
+            (_, loss), grads = grad_fn(params, micro_BT1, loss_scale)
+            grad_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grad_sum, grads)
+            return (loss_sum + loss, grad_sum), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (loss_sum, grad_sum), _ = jax.lax.scan(body, (jnp.zeros([], jnp.float32), zeros), tokens)
+        return loss_sum / grad_accum, jax.tree.map(lambda g: g / grad_accum, grad_sum)
+
+    def step(state: TrainState, tokens):
+        loss, grads = gradients(state.params, tokens, state.loss_scale)
+        grads = state.loss_scale.unscale(grads)
+        finite = all_finite(grads)
+        lr = lr_at(state.step)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
+        params = optax.apply_updates(state.params, updates)
+        if isinstance(state.loss_scale, DynamicLossScale):
+            # Overflow: keep the old params and moments (the scale is halved below).
+            keep = lambda new, old: jax.tree.map(  # noqa: E731
+                lambda n, o: jnp.where(finite, n, o), new, old)
+            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        new_state = TrainState(state.step + 1, params, opt_state,
+                               state.loss_scale.adjust(finite), state.rng)
+        scale = getattr(new_state.loss_scale, "scale", jnp.ones([], jnp.float32))
+        grads_f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        metrics = {"loss": loss.astype(jnp.float32),
+                   "grad_norm": optax.tree.norm(grads_f32),
+                   "lr": lr,
+                   "loss_scale": scale.astype(jnp.float32),
+                   "finite": finite.astype(jnp.float32),
+                   "skipped_steps": (new_state.step - applied_updates(opt_state)
+                                     ).astype(jnp.float32)}
+        return new_state, metrics
+
+    tokens_sh = tokens_sharding(mesh, with_accum_axis=grad_accum > 1)
+    return jax.jit(step, in_shardings=(state_shardings, tokens_sh),
+                   out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
+
+
+def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh, params_shardings: Any) -> Callable:
+    """Build `eval_loss(params, tokens_BT1) -> float32 mean cross-entropy`, jitted."""
+
+    def eval_loss(params, tokens_BT1):
+        inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
+        return cross_entropy(nnx.merge(graphdef, params)(inputs_BT), targets_BT)
+
+    return jax.jit(eval_loss, in_shardings=(params_shardings, tokens_sharding(mesh)),
+                   out_shardings=replicated(mesh))

@@ -1,0 +1,196 @@
+"""`train(cfg)`: the whole training run, top to bottom.
+
+config -> mesh -> abstract model (shapes + logical axes) -> optimizer -> shardings ->
+restore-if-present (else initialise on the mesh) -> data -> loop (jitted step, metrics,
+validation, checkpoints, stop signals) -> final checkpoint + loss-curve plot.
+
+Run directory (`run_dir`, default `runs/<name>`): `config.yaml` (the resolved config),
+`checkpoints/<step>/`, `metrics.jsonl`, `tb/` (TensorBoard, when installed), `loss_curve.png`.
+Running the same command again resumes from the newest complete checkpoint.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import jax
+import jax.numpy as jnp
+import yaml
+from flax import nnx
+from tqdm.auto import tqdm
+
+from lwm_jax.loss_scale import loss_scale_for
+from lwm_jax.models.rwkv7 import RWKV7
+from lwm_jax.precision import parse_policy
+from lwm_jax.train import batches
+from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
+from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
+from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
+from lwm_jax.train.optimizer import lr_schedule, make_optimizer
+from lwm_jax.train.params import count_params, split_model
+from lwm_jax.train.sharding import (make_mesh, param_shardings, replicated, shard_like_params,
+                                    tokens_sharding)
+from lwm_jax.train.signals import StopRequest
+from lwm_jax.train.step import TrainState, make_eval_step, make_train_step
+
+
+@dataclasses.dataclass
+class TrainResult:
+    """What a `train` call ends with. `stopped_by`: signal name when a signal ended the run
+    early; `final_val_loss`: None without a validation split."""
+
+    run_dir: str
+    step: int
+    state: TrainState
+    final_val_loss: float | None
+    stopped_by: str | None
+
+
+def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Train (or resume) the run described by `cfg`.
+
+    stop_after: run at most this many optimizer steps in this call, then checkpoint and return
+      (the schedule still spans `train.steps`; calling again continues).
+    """
+    t = cfg.train
+    run_dir = cfg.resolved_run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        f.write(cfg.to_yaml())
+    policy = parse_policy(cfg.precision)
+
+    # Mesh.
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    check_against_mesh(cfg, sizes)
+    mesh = make_mesh(sizes)
+
+    # Model shapes (nothing allocated yet), optimizer, shardings.
+    abstract_model = nnx.eval_shape(lambda: RWKV7(cfg.model, policy, rngs=nnx.Rngs(t.seed)))
+    graphdef, abstract_params, axes = split_model(abstract_model)
+    tx = make_optimizer(t, abstract_params, axes)
+    lr_at = lr_schedule(t)
+
+    def fresh_state() -> TrainState:
+        _, params, _ = split_model(RWKV7(cfg.model, policy, rngs=nnx.Rngs(t.seed)))
+        return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params),
+                          loss_scale_for(policy), jax.random.PRNGKey(t.seed))
+
+    abstract_state = jax.eval_shape(fresh_state)
+    params_sh = param_shardings(abstract_params, axes, mesh)
+    state_sh = dataclasses.replace(
+        jax.tree.map(lambda _: replicated(mesh), abstract_state), params=params_sh,
+        opt_state=shard_like_params(abstract_state.opt_state, abstract_params, params_sh, mesh))
+
+    # Restore the newest complete checkpoint, or initialise.
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
+    latest = ckpt.latest_step()
+    if latest is None:
+        state, data_state = _initial_state(fresh_state, state_sh), None
+    else:
+        state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract_state, state_sh))
+
+    # Data.
+    splits = batches.load_splits(cfg.data, cfg.model)
+    sampler = batches.train_sampler(splits.train, t)
+    if data_state is not None:
+        sampler.load_state_dict(data_state)
+    val = batches.val_sampler(splits.val, t) if splits.val is not None else None
+    n_eval = min(t.eval_batches, val.steps_per_epoch) if val is not None else 0
+
+    train_step = make_train_step(graphdef, tx, lr_at, grad_accum=t.grad_accum,
+                                 use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh)
+    eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh)
+    step_tokens_sh = tokens_sharding(mesh, with_accum_axis=t.grad_accum > 1)
+    eval_tokens_sh = tokens_sharding(mesh)
+
+    def evaluate(params) -> float:
+        losses = [eval_step(params, batches.to_global(val.batch_at(i), eval_tokens_sh,
+                                                      t.batch_size)) for i in range(n_eval)]
+        return float(jnp.mean(jnp.stack(losses)))
+
+    start = int(state.step)
+    if sampler.step != start:
+        raise ValueError(f"checkpoint {latest}: sampler step {sampler.step} != train step {start}")
+    end = t.steps if stop_after is None else min(t.steps, start + stop_after)
+    n_params = count_params(abstract_params)
+    tqdm.write(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
+               f"precision {policy.name}, mesh {sizes}, data {splits.description}; "
+               + (f"resumed at step {start}" if latest is not None else "fresh start")
+               + f", training to step {end} of {t.steps}")
+    logger = MetricsLogger(run_dir, n_params=n_params, tokens_per_step=t.batch_size * t.ctx_len,
+                           total_steps=t.steps, start_step=start, progress=progress,
+                           fp16=policy.loss_scale == "dynamic")
+    val_loss, last_eval = None, None
+    if val is not None and latest is None and t.eval_every > 0:
+        val_loss, last_eval = evaluate(state.params), 0
+        logger.log_eval(0, val_loss)
+
+    step, stopped_by, logged = start, None, None
+    with StopRequest() as stop:
+        while step < end and stop.requested is None:
+            tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum)
+            state, metrics = train_step(state, tokens)
+            step += 1
+            logger.advance()
+            if step == start + 1:             # the first step compiled: time from here on
+                jax.block_until_ready(metrics)
+                logger.reset_timer(step)
+            if step % t.log_every == 0 or step == end:
+                logger.log_train(step, metrics)
+                logged = step
+            if val is not None and t.eval_every > 0 and step % t.eval_every == 0:
+                val_loss, last_eval = evaluate(state.params), step
+                logger.log_eval(step, val_loss)
+                logger.reset_timer(step)          # tokens/s measures training steps only
+            if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
+                ckpt.save(step, state, sampler.state_dict())
+        stopped_by = stop.requested
+        if step > start and logged != step:        # stopped early by a signal
+            logger.log_train(step, metrics)
+        # Final checkpoint (also on a stop signal); the signal handlers stay installed until
+        # it is on disk, so a second SIGTERM cannot interrupt the save.
+        ckpt.save(step, state, sampler.state_dict())
+        ckpt.close()
+
+    if val is not None and stopped_by is None and last_eval != step:
+        val_loss = evaluate(state.params)
+        logger.log_eval(step, val_loss)
+    logger.close()
+    plot_loss_curve(logger.path, os.path.join(run_dir, "loss_curve.png"), title=cfg.name)
+    if stopped_by is not None:
+        tqdm.write(f"lwm-jax train: {stopped_by} received; checkpoint saved at step {step} in "
+                   f"{ckpt.directory}; run the same command again to resume")
+    return TrainResult(run_dir, step, state, val_loss, stopped_by)
+
+
+def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
+    """Refuse to resume a run dir whose checkpoints hold another model shape or precision."""
+    if not os.path.isfile(saved_path) or not os.path.isdir(cfg.checkpoint_dir):
+        return
+    with open(saved_path, encoding="utf-8") as f:
+        saved = yaml.safe_load(f) or {}
+    new = cfg.to_dict()
+    for key in ("model", "precision"):
+        old_value = saved.get(key)
+        if old_value is not None and old_value != new[key]:
+            if isinstance(old_value, dict):
+                diff = sorted(k for k in new[key] if old_value.get(k) != new[key][k])
+                what = ", ".join(f"model.{k}={old_value.get(k)!r}" for k in diff)
+            else:
+                what = f"{key}={old_value!r}"
+            raise ValueError(f"run_dir: {cfg.resolved_run_dir} holds checkpoints of a run with "
+                             f"{what}; resume with the same settings or choose a new run_dir")
+
+
+def _initial_state(fresh_state, state_sh) -> TrainState:
+    """Run `fresh_state` and place the result on the mesh.
+
+    On GPU/TPU: one `jax.jit` with `out_shardings`, so every array is created directly in its
+    shards, never whole on one device. On CPU the model is built op by op instead and then
+    moved: inside one jitted program the batched LAPACK QRs of the orthogonal init can run at
+    once (one per device on a multi-device CPU mesh), and jaxlib 0.10.2's CPU LAPACK kernels then
+    deadlock the host thread pool; built op by op, `layers.init.orthogonal` waits for each QR.
+    """
+    if jax.default_backend() == "cpu":
+        return jax.device_put(fresh_state(), state_sh)
+    return jax.jit(fresh_state, out_shardings=state_sh)()

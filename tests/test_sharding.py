@@ -1,0 +1,120 @@
+"""Logical-axis rules, and a real train step on a 4-device CPU mesh matching one device."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
+
+from lwm_jax.data import write_binidx
+from lwm_jax.train.sharding import MESH_AXES, logical_to_spec, shard_like_params
+
+
+def _mesh(data=1, fsdp=1, tensor=1, sequence=1):
+    return AbstractMesh((data, fsdp, tensor, sequence), MESH_AXES)
+
+
+def test_logical_axis_rules():
+    m = _mesh(data=2, fsdp=2, tensor=2)
+    assert logical_to_spec(("vocab", "embed"), (256, 64), m) == P("tensor", "fsdp")
+    spec = lambda axes, shape: logical_to_spec(axes, shape, m)  # noqa: E731
+    assert spec(("layers", "embed", "mlp"), (2, 64, 256)) == P(None, "fsdp", "tensor")
+    assert spec(("layers", "heads", "embed"), (2, 64, 64)) == P(None, "tensor", "fsdp")
+    assert logical_to_spec(("layers", "embed", "lora"), (2, 64, 32), m) == P(None, "fsdp", None)
+    assert logical_to_spec(("layers", "heads", "head_dim"), (2, 4, 64), m) == P(None, "tensor", None)
+    assert logical_to_spec(("embed",), (64,), m) == P("fsdp")
+    # a dim that does not divide the mesh axis stays whole
+    assert logical_to_spec(("layers", "heads", "head_dim"), (2, 3, 64), m) == P(None, None, None)
+    # a mesh axis is used once per array (vocab and mlp both map to tensor)
+    assert logical_to_spec(("vocab", "mlp"), (256, 256), m) == P("tensor", None)
+    # size-1 mesh axes shard nothing
+    assert logical_to_spec(("vocab", "embed"), (256, 64), _mesh()) == P(None, None)
+    with pytest.raises(ValueError, match="logical axis 'bogus' has no sharding rule"):
+        logical_to_spec(("bogus",), (4,), m)
+
+
+def test_optimizer_state_follows_parameter_shardings():
+    params = {"a": np.zeros((2, 3)), "b": {"c": np.zeros(4)}}
+    param_sh = {"a": "SH_A", "b": {"c": "SH_C"}}
+    opt_state = ({"count": np.zeros(())}, (np.zeros(()), params, params))
+    out = shard_like_params(opt_state, params, param_sh, mesh=_mesh())
+    assert out[1][1] == param_sh and out[1][2] == param_sh
+    assert out[0]["count"].spec == P() and out[1][0].spec == P()
+
+
+DRIVER = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import jax
+    from lwm_jax.train.config import load_config
+    from lwm_jax.train.metrics import read_metrics
+    from lwm_jax.train.trainer import train
+
+    out_dir, data, *meshes = sys.argv[1:]
+    assert jax.device_count() == (4 if meshes[0] != "1" else 1), jax.devices()
+    for mesh in meshes:
+        sizes = dict(zip(("data", "fsdp", "tensor", "sequence"), map(int, mesh.split(","))))
+        cfg = load_config(None, [
+            "model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", "train.batch_size=4",
+            "train.steps=3", "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1",
+            "train.eval_every=0", "checkpoint.async=false", f"data.path={data}",
+            f"run_dir={out_dir}/{mesh}", *[f"mesh.{k}={v}" for k, v in sizes.items()]])
+        res = train(cfg, progress=False)
+        params = jax.tree_util.tree_flatten_with_path(res.state.params)[0]
+        np.savez(f"{out_dir}/{mesh}.npz", **{jax.tree_util.keystr(k): np.asarray(v)
+                                             for k, v in params})
+        specs = {jax.tree_util.keystr(k): str(v.sharding.spec) for k, v in params}
+        mu = res.state.opt_state[2].mu
+        specs["mu['emb']"] = str(mu["emb"].sharding.spec)
+        losses = [r["loss"] for r in read_metrics(f"{out_dir}/{mesh}/metrics.jsonl")[0]]
+        json.dump({"losses": losses, "val": res.final_val_loss, "specs": specs},
+                  open(f"{out_dir}/{mesh}.json", "w"))
+""")
+
+
+def _run_driver(tmp_path, data, meshes, n_devices):
+    flags = f"--xla_force_host_platform_device_count={n_devices}" if n_devices > 1 else ""
+    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), data, *meshes],
+                          env=env, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _load(tmp_path, mesh):
+    with open(tmp_path / f"{mesh}.json") as f:
+        meta = json.load(f)
+    return meta, dict(np.load(tmp_path / f"{mesh}.npz"))
+
+
+def _rel(a, b):
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.slow
+def test_2x2_meshes_match_one_device(tmp_path):
+    data = str(tmp_path / "pattern")          # learnable: losses fall within 3 steps
+    write_binidx(data, [(np.arange(600) * (d + 1)) % 61 + 1 for d in range(10)], np.uint16,
+                 append_eod=True)
+    _run_driver(tmp_path, data, ["1"], 1)
+    # fsdp x tensor shards the parameters; data x sequence shards the batch and time axes.
+    _run_driver(tmp_path, data, ["1,2,2,1", "2,1,1,2"], 4)
+
+    ref, ref_params = _load(tmp_path, "1")
+    assert len(ref["losses"]) == 3 and ref["losses"][2] < ref["losses"][0]
+    for mesh in ("1,2,2,1", "2,1,1,2"):
+        meta, params = _load(tmp_path, mesh)
+        np.testing.assert_allclose(meta["losses"], ref["losses"], rtol=2e-5)
+        assert abs(meta["val"] - ref["val"]) <= 2e-5 * ref["val"]
+        assert params.keys() == ref_params.keys()
+        for k in params:
+            assert _rel(params[k], ref_params[k]) < 1e-4, (mesh, k, _rel(params[k], ref_params[k]))
+    specs = _load(tmp_path, "1,2,2,1")[0]["specs"]
+    assert specs["['emb']"] == str(P("tensor", "fsdp"))
+    assert specs["['blocks']['ffn']['key']"] == str(P(None, "fsdp", "tensor"))
+    assert specs["['blocks']['att']['output']"] == str(P(None, "tensor", "fsdp"))
+    assert specs["mu['emb']"] == str(P("tensor", "fsdp"))
+    assert specs["['blocks']['att']['w1']"] == str(P(None, "fsdp", None))
