@@ -3,6 +3,10 @@
     lwm-jax train                                   # tiny byte-level model on the built-in corpus
     lwm-jax train --config configs/rwkv7-0.1b.yaml train.lr=3e-4 precision=bf16-mixed
     lwm-jax prepare --input docs/ --output data/mydata --tokenizer world
+    lwm-jax convert --input RWKV-x070-World-0.1B.pth --output ckpt/0.1b
+    lwm-jax export --input ckpt/0.1b --output out.pth --format rwkv-pth
+    lwm-jax generate --checkpoint ckpt/0.1b --prompt "The capital of France is"
+    lwm-jax eval --checkpoint ckpt/0.1b --data book.txt --lambada lambada.jsonl
 
 `train` takes dotted `key=value` overrides after the options (values are parsed as YAML).
 Bad input is reported as one line (`error: train.lrr: unknown key; valid keys: ...`) with exit
@@ -11,6 +15,7 @@ status 2; set LWM_JAX_DEBUG=1 to get the Python traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 
@@ -39,7 +44,7 @@ def _prepare(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from lwm_jax.data.prepare import add_prepare_args
 
-    parser = argparse.ArgumentParser(prog="lwm-jax", description="RWKV-7 in JAX: train, prepare")
+    parser = argparse.ArgumentParser(prog="lwm-jax", description="RWKV-7 in JAX: train, prepare, convert, export, generate, eval")
     sub = parser.add_subparsers(dest="command", required=True)
 
     tr = sub.add_parser("train", help="train (or resume) a model",
@@ -60,7 +65,31 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("prepare", help="tokenise .txt/.jsonl files into a binidx dataset")
     add_prepare_args(pr)
     pr.set_defaults(func=_prepare)
+
+    # (name, help, module, add-arguments function, main function); imported lazily on use
+    for name, help_text, module, add_fn, main_fn in (
+        ("convert", "import an official .pth or FLA/HF checkpoint as an lwm_jax checkpoint",
+         "lwm_jax.interop.cli", "add_convert_args", "convert_main"),
+        ("export", "export a checkpoint to the official .pth or FLA/HF format",
+         "lwm_jax.interop.cli", "add_export_args", "export_main"),
+        ("generate", "sample text from a checkpoint (RNN-mode decoding)",
+         "lwm_jax.generate.cli", "add_generate_args", "generate_main"),
+        ("eval", "perplexity / bits-per-byte and LAMBADA-style accuracy",
+         "lwm_jax.eval.cli", "add_eval_args", "eval_main"),
+    ):
+        mod = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        getattr(mod, add_fn)(p)
+        p.set_defaults(func=_returns_zero(getattr(mod, main_fn)))
     return parser
+
+
+def _returns_zero(main_fn):
+    """Adapt a subcommand main that returns a result (or None) to an exit status of 0."""
+    def run(args: argparse.Namespace) -> int:
+        main_fn(args)
+        return 0
+    return run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -206,9 +206,10 @@ def test_cli_convert_export_and_missing_torch(tree, tmp_path, monkeypatch, capsy
     from lwm_jax.interop.torch_io import load_state_dict
     hf.write_hf(CFG.resolved(), tree, tmp_path / "hf", dtype="f32")
     convert_main(add_convert_args(argparse.ArgumentParser()).parse_args(
-        [str(tmp_path / "hf"), str(tmp_path / "ours")]))
+        ["--input", str(tmp_path / "hf"), "--output", str(tmp_path / "ours")]))
     export_main(add_export_args(argparse.ArgumentParser()).parse_args(
-        [str(tmp_path / "ours"), str(tmp_path / "sharded"), "--format", "hf", "--max-shard-mb", "1"]))
+        ["--input", str(tmp_path / "ours"), "--output", str(tmp_path / "sharded"), "--format", "hf",
+         "--max-shard-mb", "1"]))
     assert "wrote" in capsys.readouterr().out
     _, back = read_params(tmp_path / "sharded")
     assert_trees_equal(tree, back, skip_layer0_value=True)

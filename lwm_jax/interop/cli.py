@@ -1,8 +1,8 @@
 """`lwm-jax convert` and `lwm-jax export`: argparse setup and entry points (wired by the lead).
 
-    lwm-jax convert RWKV-x070-World-0.1B.pth ckpt/0.1b          # -> config.yaml + params/
-    lwm-jax export ckpt/0.1b out/model.pth --format rwkv-pth    # bf16 by default
-    lwm-jax export ckpt/0.1b out/hf-model --format hf [--dtype bf16] [--max-shard-mb 2000]
+    lwm-jax convert --input RWKV-x070-World-0.1B.pth --output ckpt/0.1b   # config.yaml + params/
+    lwm-jax export --input ckpt/0.1b --output out/model.pth --format rwkv-pth   # bf16 by default
+    lwm-jax export --input ckpt/0.1b --output out/hf-model --format hf [--dtype bf16]
 """
 from __future__ import annotations
 
@@ -12,8 +12,10 @@ from lwm_jax.interop.api import EXPORT_FORMATS, FORMATS, convert, export
 
 
 def add_convert_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("input", help="official .pth file, HF directory or training run directory")
-    p.add_argument("output_dir", help="new directory for config.yaml + params/")
+    p.add_argument("--input", "-i", required=True,
+                   help="official .pth file, HF directory or training run directory")
+    p.add_argument("--output", "-o", required=True, dest="output_dir",
+                   help="new directory for config.yaml + params/")
     p.add_argument("--format", default=None, choices=FORMATS, help="input format (default: detect)")
     return p
 
@@ -24,8 +26,9 @@ def convert_main(args: argparse.Namespace) -> None:
 
 
 def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    p.add_argument("input", help="any checkpoint load_pretrained reads")
-    p.add_argument("output", help=".pth file (rwkv-pth) or directory (hf)")
+    p.add_argument("--input", "-i", required=True, help="any checkpoint load_pretrained reads")
+    p.add_argument("--output", "-o", required=True,
+                   help=".pth file (rwkv-pth) or directory (hf)")
     p.add_argument("--format", required=True, choices=EXPORT_FORMATS)
     p.add_argument("--dtype", default=None, choices=("bf16", "f32"),
                    help="stored dtype (default: bf16 for rwkv-pth, f32 for hf)")
