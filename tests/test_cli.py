@@ -1,0 +1,42 @@
+"""The `lwm-jax` console script: every subcommand is wired and bad usage is a one-line error."""
+import subprocess
+import sys
+
+import pytest
+
+from lwm_jax.cli import build_parser, main
+
+SUBCOMMANDS = ("train", "prepare", "convert", "export", "generate", "eval")
+
+
+def test_every_subcommand_is_wired():
+    parser = build_parser()
+    for name in SUBCOMMANDS:
+        args = {"train": [name], "prepare": [name, "--input", "x", "--output", "y"],
+                "convert": [name, "--input", "a", "--output", "b"],
+                "export": [name, "--input", "a", "--output", "b", "--format", "hf"],
+                "generate": [name, "--checkpoint", "c", "--prompt", "hi"],
+                "eval": [name, "--checkpoint", "c"]}[name]
+        ns = parser.parse_args(args)
+        assert ns.command == name and callable(ns.func)
+
+
+def test_missing_checkpoint_is_one_line_error(tmp_path, capsys):
+    status = main(["eval", "--checkpoint", str(tmp_path / "nope"), "--data", str(tmp_path)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "nope" in err[0]
+
+
+def test_console_script_help_lists_subcommands():
+    out = subprocess.run([sys.executable, "-m", "lwm_jax.cli", "--help"], capture_output=True,
+                         text=True, check=True).stdout
+    for name in SUBCOMMANDS:
+        assert name in out
+
+
+@pytest.mark.parametrize("argv", [["export", "--output", "b", "--format", "hf"],
+                                  ["convert", "--input", "a"]])
+def test_missing_required_flag_exits_2(argv):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
