@@ -19,8 +19,9 @@ import jax.numpy as jnp
 
 from lwm_jax.kernels.wkv7.tpu_bwd import wkv7_bwd_pallas
 from lwm_jax.kernels.wkv7.tpu_fwd import wkv7_fwd_pallas
+from lwm_jax.ops.wkv7_checks import INPUT_DTYPES as _FLOATS
+from lwm_jax.ops.wkv7_checks import check_wkv7_inputs
 
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
 
 
@@ -64,34 +65,7 @@ def _round_up(n: int, m: int) -> int:
 
 
 def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype, precision):
-    if r.ndim != 4:
-        raise ValueError(f"r must be [B, T, H, K], got shape {r.shape}")
-    B, T, H, K = r.shape
-    for name, x in (("w", w), ("k", k), ("a", a), ("b", b)):
-        if x.shape != r.shape:
-            raise ValueError(f"{name} must have r's shape {r.shape} ([B, T, H, K]), got {x.shape}")
-    if v.ndim != 4 or v.shape[:3] != (B, T, H):
-        raise ValueError(f"v must be [B, T, H, V] with B, T, H = {(B, T, H)}, got {v.shape}")
-    dtype = jnp.dtype(r.dtype)
-    if dtype not in _FLOATS:
-        raise TypeError(f"r has dtype {dtype}; use float32, bfloat16 or float16")
-    for name, x in (("k", k), ("v", v), ("a", a), ("b", b)):
-        if jnp.dtype(x.dtype) != dtype:
-            raise TypeError(f"{name} has dtype {x.dtype} but r has {dtype}; r/k/v/a/b must share "
-                            "one dtype (cast them before the call)")
-    if jnp.dtype(w.dtype) not in (dtype, jnp.dtype(jnp.float32)):
-        raise TypeError(f"w has dtype {w.dtype}; it must be float32 or r's dtype {dtype}")
-    if initial_state is not None:
-        if initial_state.shape != (B, H, K, v.shape[-1]):
-            raise ValueError(f"initial_state must be [B, H, K, V] = {(B, H, K, v.shape[-1])}, "
-                             f"got {initial_state.shape}")
-        if not jnp.issubdtype(initial_state.dtype, jnp.floating):
-            raise TypeError(f"initial_state must be float32, got dtype {initial_state.dtype}")
-    if segment_ids is not None:
-        if segment_ids.shape != (B, T):
-            raise ValueError(f"segment_ids must be [B, T] = {(B, T)}, got {segment_ids.shape}")
-        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise TypeError(f"segment_ids must be an integer array, got dtype {segment_ids.dtype}")
+    check_wkv7_inputs(r, w, k, v, a, b, initial_state, segment_ids)
     if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 16
             or chunk_size % 16):
         raise ValueError(f"chunk_size must be a positive multiple of 16 (TPU bf16 sublane tile), "
