@@ -176,3 +176,13 @@ def test_cli_prepare_feeds_train_config(tmp_path, capsys):
     assert cfg.data.path == str(prefix)
     assert main(["prepare", "--input", str(tmp_path / "none.txt"), "--output", str(prefix)]) == 2
     assert capsys.readouterr().err.startswith("lwm-jax prepare: error: --input ")
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_a_clear_error():
+    from lwm_jax.train.batches import to_global
+    from lwm_jax.train.sharding import make_mesh, tokens_sharding
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
+    ok = np.arange(2 * 9, dtype=np.int32).reshape(2, 9)
+    assert to_global(ok, tokens_sharding(mesh), 2, vocab_size=18).shape == (2, 9)
+    with pytest.raises(ValueError, match=r"data: token id 17 is outside model.vocab_size=17"):
+        to_global(ok, tokens_sharding(mesh), 2, vocab_size=17)

@@ -87,8 +87,18 @@ def val_sampler(tokens: np.ndarray, t: TrainSection) -> WindowSampler:
 
 
 def to_global(local_BT1: np.ndarray, sharding: NamedSharding, global_batch: int,
-              grad_accum: int = 1) -> jax.Array:
-    """This host's `[b, T+1]` rows -> global `[B, T+1]` (or `[A, B/A, T+1]`) jax.Array."""
+              grad_accum: int = 1, vocab_size: int | None = None) -> jax.Array:
+    """This host's `[b, T+1]` rows -> global `[B, T+1]` (or `[A, B/A, T+1]`) jax.Array.
+
+    With `vocab_size`, a token id outside `[0, vocab_size)` is a one-line error (an embedding
+    lookup would otherwise turn it into NaN logits without a word).
+    """
+    if vocab_size is not None and local_BT1.size:
+        top = int(local_BT1.max())
+        if top >= vocab_size or int(local_BT1.min()) < 0:
+            raise ValueError(f"data: token id {top} is outside model.vocab_size={vocab_size}; "
+                             "the data was tokenised with another vocabulary (check "
+                             "data.tokenizer and model.vocab_size)")
     width = local_BT1.shape[-1]
     if grad_accum > 1:
         local = local_BT1.reshape(grad_accum, -1, width)

@@ -102,10 +102,12 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh)
     step_tokens_sh = tokens_sharding(mesh, with_accum_axis=t.grad_accum > 1)
     eval_tokens_sh = tokens_sharding(mesh)
+    V = cfg.model.vocab_size
 
     def evaluate(params) -> float:
         losses = [eval_step(params, batches.to_global(val.batch_at(i), eval_tokens_sh,
-                                                      t.batch_size)) for i in range(n_eval)]
+                                                      t.batch_size, vocab_size=V))
+                  for i in range(n_eval)]
         return float(jnp.mean(jnp.stack(losses)))
 
     start = int(state.step)
@@ -128,7 +130,8 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     step, stopped_by, logged = start, None, None
     with StopRequest() as stop:
         while step < end and stop.requested is None:
-            tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum)
+            tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
+                                       vocab_size=V)
             state, metrics = train_step(state, tokens)
             step += 1
             logger.advance()
