@@ -22,7 +22,7 @@ import numpy as np
 
 from lwm_jax.config import ModelConfig
 from lwm_jax.interop import layout, params
-from lwm_jax.interop.rwkv_pth import layer0_value_fill
+from lwm_jax.interop.rwkv_pth import gather_params
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -113,32 +113,8 @@ def read_hf(root: str | os.PathLike) -> tuple[ModelConfig, dict]:
     hf_cfg = json.loads((root / CONFIG).read_text())
     sd = _normalise(_read_tensors(root), hf_cfg, where)
     cfg = config_from_hf(sd, hf_cfg, where)
-    shapes = params.flatten(params.param_shapes(cfg))
-    used: set[str] = set()
-    flat: dict[str, np.ndarray] = {}
-    for path, name, kind in layout.HF_TOP:
-        if name not in sd:
-            raise ValueError(f"{where}: tensor {name!r} is missing")
-        flat[path] = layout.from_external(sd[name], kind, shapes[path].shape, name)
-        used.add(name)
-    fill = layer0_value_fill(cfg)
-    for path, suffix, kind in layout.HF_BLOCK:
-        per_layer = []
-        for i in range(cfg.n_layer):
-            name = f"model.layers.{i}.{suffix}"
-            if name in sd:
-                per_layer.append(layout.from_external(sd[name], kind, shapes[path].shape[1:], name))
-                used.add(name)
-            elif i == 0 and suffix in layout.HF_LAYER0_ABSENT:
-                per_layer.append(fill[path])
-            else:
-                raise ValueError(f"{where}: tensor {name!r} is missing")
-        flat[path] = np.stack(per_layer)
-    unknown = sorted(set(sd) - used)
-    if unknown:
-        raise ValueError(f"{where}: unexpected tensor {unknown[0]!r} ({len(unknown)} not "
-                         "understood); this RWKV-7 variant is not supported")
-    return cfg, params.unflatten(flat)
+    return cfg, gather_params(sd, cfg, layout.HF_TOP, layout.HF_BLOCK, "model.layers.{i}.",
+                              layout.HF_LAYER0_ABSENT, where)
 
 
 def hf_config(cfg: ModelConfig, dtype: str) -> dict:

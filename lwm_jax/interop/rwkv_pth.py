@@ -79,34 +79,45 @@ def read_official(state: Mapping[str, np.ndarray],
     """
     sd = strip_prefix(state)
     cfg = config_from_official(sd, where)
+    return cfg, gather_params(sd, cfg, layout.OFFICIAL_TOP, layout.OFFICIAL_BLOCK, "blocks.{i}.",
+                              layout.LAYER0_OPTIONAL, where)
+
+
+def gather_params(sd: Mapping[str, np.ndarray], cfg: ModelConfig, top, block, block_prefix: str,
+                  layer0_optional, where: str) -> dict:
+    """External state dict -> our params tree (float32), for any layout table in `layout`.
+
+    `top` / `block`: `(our path, external name or suffix, kind)` rows; block tensors are named
+    `block_prefix.format(i=layer) + suffix` and stacked over layers. Layer 0's value-residual
+    tensors listed in `layer0_optional` may be absent (filled with `layer0_value_fill`). Every
+    tensor must be consumed: an unknown name is an error, never a silently dropped weight.
+    """
     shapes = params.flatten(params.param_shapes(cfg))
     used: set[str] = set()
     flat: dict[str, np.ndarray] = {}
-    for path, name, kind in layout.OFFICIAL_TOP:
-        flat[path] = layout.from_external(np.asarray(_need(sd, name, where), np.float32), kind,
-                                          shapes[path].shape, name)
+
+    def take(name: str, expected: tuple[int, ...], kind: str) -> np.ndarray:
         used.add(name)
+        return layout.from_external(np.asarray(_need(sd, name, where), np.float32), kind,
+                                    expected, name)
+
+    for path, name, kind in top:
+        flat[path] = take(name, shapes[path].shape, kind)
     fill = layer0_value_fill(cfg)
-    for path, suffix, kind in layout.OFFICIAL_BLOCK:
+    for path, suffix, kind in block:
         per_layer = []
         for i in range(cfg.n_layer):
-            name = f"blocks.{i}.{suffix}"
-            if name in sd:
-                x = sd[name]
-                used.add(name)
-            elif i == 0 and suffix in layout.LAYER0_OPTIONAL:
+            name = block_prefix.format(i=i) + suffix
+            if i == 0 and name not in sd and suffix in layer0_optional:
                 per_layer.append(fill[path])
-                continue
             else:
-                x = _need(sd, name, where)
-            per_layer.append(layout.from_external(np.asarray(x, np.float32), kind,
-                                                  shapes[path].shape[1:], name))
+                per_layer.append(take(name, shapes[path].shape[1:], kind))
         flat[path] = np.stack(per_layer)
     unknown = sorted(set(sd) - used)
     if unknown:
         raise ValueError(f"{where}: unexpected tensor {unknown[0]!r} ({len(unknown)} not "
                          "understood); this RWKV-7 variant is not supported")
-    return cfg, params.unflatten(flat)
+    return params.unflatten(flat)
 
 
 def write_official(cfg: ModelConfig, tree: dict) -> dict[str, np.ndarray]:
