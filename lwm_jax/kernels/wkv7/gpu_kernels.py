@@ -86,6 +86,17 @@ def _tile_spec(C, D, H):
     return pl.BlockSpec((_SQ, C, _SQ, D), lambda bh, c: (bh // H, c, bh % H, 0))
 
 
+def _chunk_inputs(r, w, k, v, a, b, n_BT, C, H):
+    """Block specs and operands of a chunk-parallel launch: one [C, K] (v: [C, V]) tile of
+    r, w, k, v, a, b per (b·h, chunk), plus the reset counters `n_BT` [B, T] when given."""
+    kspec, vspec = _tile_spec(C, r.shape[-1], H), _tile_spec(C, v.shape[-1], H)
+    in_specs = [kspec, kspec, kspec, vspec, kspec, kspec]
+    args = [r, w, k, v, a, b]
+    if n_BT is not None:
+        in_specs.append(pl.BlockSpec((_SQ, C), lambda bh, c: (bh // H, c)))
+        args.append(n_BT)
+    return kspec, vspec, in_specs, args
+
 def _chunk_spec(X, Y):
     """[BH, NT, X, Y] -> the [X, Y] block of (bh, c) (grid (BH, NT))."""
     return pl.BlockSpec((_SQ, _SQ, X, Y), lambda bh, c: (bh, c, 0, 0))
@@ -118,12 +129,7 @@ def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret):
         ld, st = _io("rwkvab", refs[:6], out_names, refs[6 + has_n:])
         gpu_chunk.intra_forward(ld, st, n, prec)
 
-    kspec, vspec = _tile_spec(C, K, H), _tile_spec(C, V, H)
-    in_specs = [kspec, kspec, kspec, vspec, kspec, kspec]
-    args = [r, w, k, v, a, b]
-    if has_n:
-        in_specs.append(pl.BlockSpec((_SQ, C), lambda bh, c: (bh // H, c)))
-        args.append(n_BT)
+    kspec, vspec, in_specs, args = _chunk_inputs(r, w, k, v, a, b, n_BT, C, H)
     shapes = [(K, K), (K, V), (C, K), (C, V)] + ([(C, C)] if want_inv else [])
     out_shape = [jax.ShapeDtypeStruct((BH, NT) + s, _F32) for s in shapes]
     out_specs = [_chunk_spec(*s) for s in shapes]
@@ -243,12 +249,7 @@ def intra_bwd(r, w, k, v, a, b, n_BT, inv, states, dS_end, do, *, H, C, prec, tu
     V = v.shape[-1]
     BH, NT = B * H, Tp // C
     has_n = n_BT is not None
-    kspec, vspec = _tile_spec(C, K, H), _tile_spec(C, V, H)
-    in_specs = [kspec, kspec, kspec, vspec, kspec, kspec]
-    args = [r, w, k, v, a, b]
-    if has_n:
-        in_specs.append(pl.BlockSpec((_SQ, C), lambda bh, c: (bh // H, c)))
-        args.append(n_BT)
+    kspec, vspec, in_specs, args = _chunk_inputs(r, w, k, v, a, b, n_BT, C, H)
     grad_shape = {nm: jax.ShapeDtypeStruct(x.shape, x.dtype) for nm, x in
                   zip(("dr", "dw", "dk", "dv", "da", "db"), (r, w, k, v, a, b))}
     grad_spec = {nm: (vspec if nm == "dv" else kspec) for nm in grad_shape}
