@@ -41,7 +41,7 @@ def test_random_inputs_follow_rwkv7_distribution():
 
 
 # (T, chunk_size, with initial_state, with segment_ids); T covers 1, non-multiples and C = 17.
-FORWARD_CASES = [(1, 16, False, False), (17, 16, True, True), (64, 64, True, False),
+FORWARD_CASES = [(1, 16, False, False), (1, 16, True, False), (17, 16, True, True), (64, 64, True, False),
                  (100, 32, False, True), (200, 64, True, True), (200, 16, False, False),
                  (37, 17, True, True)]
 

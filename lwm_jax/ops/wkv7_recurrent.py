@@ -41,6 +41,11 @@ def recurrent_scan(r, w, k, v, a, b, initial_state, segment_ids, compute_dtype=j
     else:
         S0_BHKV = initial_state.astype(compute_dtype)
 
+    if T == 1:   # one decode step: no scan, no layout swaps; 2 passes over the state
+        S_BHKV = jnp.where(reset_TB[0][:, None, None, None], 0, S0_BHKV)
+        S_BHKV, o_BHV = _one_token(S_BHKV, *(x[0] for x in (r_T, w_T, k_T, v_T, a_T, b_T)))
+        return o_BHV[:, None], S_BHKV
+
     def step(S_BHKV, xs):
         r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK, reset_B = xs
         S_BHKV = jnp.where(reset_B[:, None, None, None], jnp.zeros_like(S_BHKV), S_BHKV)
@@ -53,6 +58,16 @@ def recurrent_scan(r, w, k, v, a, b, initial_state, segment_ids, compute_dtype=j
 
     S_BHKV, o_TBHV = jax.lax.scan(step, S0_BHKV, (r_T, w_T, k_T, v_T, a_T, b_T, reset_TB))
     return jnp.swapaxes(o_TBHV, 0, 1), S_BHKV
+
+
+def _one_token(S_BHKV, r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK):
+    """One recurrence step written as broadcasts and sums over the key axis (not batched
+    matmuls), so XLA fuses it into a reduction over S and one read-modify-write of S with the
+    output reduction: the memory-bound shape of decoding (state >> weights at large batch)."""
+    sa_BHV = jnp.sum(a_BHK[..., None] * S_BHKV, axis=-2)
+    S_BHKV = (jnp.exp(w_BHK)[..., None] * S_BHKV + b_BHK[..., None] * sa_BHV[:, :, None, :]
+              + k_BHK[..., None] * v_BHV[:, :, None, :])
+    return S_BHKV, jnp.sum(r_BHK[..., None] * S_BHKV, axis=-2)
 
 
 @functools.partial(jax.jit, static_argnames=("output_dtype",))
