@@ -1,4 +1,5 @@
-"""Generation: RNN path == full forward, batching of unequal prompts, sampling, one compile."""
+"""Generation: RNN path == full forward, batching of unequal prompts, sampling, on-device decode
+blocks (any block length gives the same result), donation safety, one compile."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.config import ModelConfig
+from lwm_jax.generate import engine
 from lwm_jax.generate.engine import TRACES
 from lwm_jax.generate import (Generator, SamplingParams, add_generate_args, apply_penalties,
                               filter_logits, generate_main, load_state, sample, save_state)
@@ -82,21 +84,89 @@ def test_greedy_deterministic_stop_tokens_and_streaming(gen, prompts):
     assert seen == events
 
 
-def test_step_compiles_once_across_tokens_and_settings(model):
+def test_block_compiles_once_across_tokens_and_settings(model):
     g = Generator(model, prefill_chunk=8)
-    before = TRACES["step"]
+    before = TRACES["block"]
     hot = SamplingParams(temperature=0.9, top_p=0.8, top_k=40, repetition_penalty=1.3,
                          presence_penalty=0.4, frequency_penalty=0.2)
     two = [[5, 6, 7], [1, 2, 3, 4]]                  # batch size 2: used by no other test
     a = g.generate(two, max_new_tokens=20, sampling=hot, seed=1)
-    assert TRACES["step"] == before + 1 and len(a.tokens[0]) == 20
+    assert TRACES["block"] == before + 1 and len(a.tokens[0]) == 20
     b = g.generate(two, max_new_tokens=20, sampling=hot, seed=1)
-    c = g.generate(two, max_new_tokens=20, sampling=hot, seed=2)
-    d = Generator(model).generate([[9] * 5, [8] * 7], max_new_tokens=20, sampling=SamplingParams(top_k=1))
-    greedy = g.generate([[9] * 5, [8] * 7], max_new_tokens=20, sampling=GREEDY)
-    assert TRACES["step"] == before + 1                # same for new settings and a new Generator
+    c = g.generate(two, max_new_tokens=20, sampling=hot, seed=2, stop_tokens=[1, 2, 3])
+    d = Generator(model).generate([[9] * 5, [8] * 7], max_new_tokens=33,
+                                  sampling=SamplingParams(top_k=1), stop_tokens=[0])
+    greedy = g.generate([[9] * 5, [8] * 7], max_new_tokens=33, sampling=GREEDY, stop_tokens=[0])
+    assert TRACES["block"] == before + 1     # same for new settings, stops and a new Generator
     assert a.tokens == b.tokens and a.tokens != c.tokens
     assert d.tokens == greedy.tokens                   # top_k = 1 is greedy whatever the seed
+
+
+@pytest.fixture(scope="module")
+def by_block(model):
+    """Ragged prompts (3 of them shorter than one prefill chunk), stop tokens that end two rows
+    mid-way, temperature > 0 with penalties: results for decode blocks 1, 16 and 64 (> 30)."""
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(1, 256, n).tolist() for n in (3, 11, 6, 19)]
+    hot = SamplingParams(temperature=1.2, top_p=0.95, repetition_penalty=1.2,
+                         frequency_penalty=0.3)
+    out = {}
+    for block in (1, 16, 64):
+        g = Generator(model, prefill_chunk=8, decode_block=block)
+        events = []
+        res = g.generate(prompts, max_new_tokens=30, sampling=hot, seed=7, return_logits=True,
+                         stop_tokens=[17, 42, 99, 200, 231],
+                         on_token=lambda r, t: events.append((r, t)))
+        out[block] = (res, events)
+    return prompts, out
+
+
+def test_decode_block_length_changes_nothing(by_block):
+    _, by_block = by_block
+    ref, ref_events = by_block[1]
+    # the setting exercises both finish reasons, early stops, forced tokens and full blocks
+    assert "stop" in ref.finish_reasons and "length" in ref.finish_reasons
+    assert min(map(len, ref.tokens)) < 16 and max(map(len, ref.tokens)) == 30
+    assert len(ref_events) == sum(map(len, ref.tokens))
+    for block in (16, 64):
+        res, events = by_block[block]
+        assert res.tokens == ref.tokens and res.finish_reasons == ref.finish_reasons
+        assert events == ref_events                     # same streaming order (step, then row)
+        for a, b in zip(res.logits, ref.logits):
+            assert a.shape == b.shape and (a.size == 0 or rel(a, b) < 1e-6)
+        for field in ("tmix_shift", "cmix_shift", "wkv"):
+            assert rel(getattr(res.state, field), getattr(ref.state, field)) < 1e-6
+
+
+def test_final_state_skips_stop_token(model, by_block):
+    prompts, by_block = by_block
+    res, _ = by_block[16]
+    i = res.finish_reasons.index("stop")             # not consumed: state = prompt + returned
+    _, want = model(jnp.asarray([prompts[i] + res.tokens[i]]), return_state=True)
+    assert rel(res.state.wkv[:, i], want.wkv[:, 0]) < 1e-5
+    assert rel(res.state.cmix_shift[:, i], want.cmix_shift[:, 0]) < 1e-5
+
+
+def test_initial_state_survives_donation(gen, prompts):
+    own = gen.prefill_state([[7, 3, 9], [2, 8, 8], [1, 5, 4]])     # 3 rows = batch size below
+    copy = jax.tree.map(np.array, own)
+    short = [p[:5] for p in prompts]                 # < prefill_chunk: no prefill before decode
+    a = gen.generate(short, max_new_tokens=5, sampling=GREEDY, initial_state=own)
+    b = gen.generate(short, max_new_tokens=5, sampling=GREEDY, initial_state=own)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(own))
+    for x, y in zip(jax.tree.leaves(own), jax.tree.leaves(copy)):
+        np.testing.assert_array_equal(np.asarray(x), y)
+    assert a.tokens == b.tokens and rel(a.state.wkv, b.state.wkv) == 0.0
+    # the block really donates its carry (that is why the copy is needed)
+    B, V = 3, CFG.vocab_size
+    carry = (jax.tree.map(jnp.array, own), jnp.zeros((B, V), jnp.int32), jax.random.key(0),
+             jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+    K = gen.decode_block
+    new, _ = engine._block(gen._step_graph, False, gen._params, gen._rest, carry,
+                           jnp.zeros((K, B), jnp.int32), jnp.zeros((K, B), bool),
+                           jnp.zeros(V, bool), jnp.int32(5), GREEDY.as_arrays())
+    assert carry[0].wkv.is_deleted() and carry[1].is_deleted()
+    assert not new[0].wkv.is_deleted()
 
 
 def test_filter_and_penalties_numbers():
@@ -118,6 +188,12 @@ def test_filter_and_penalties_numbers():
     draws = np.asarray(jax.vmap(lambda k: sample(logits, k, sp1)[0])(keys))
     assert set(np.unique(draws)) == {0, 1}
     assert abs(np.mean(draws == 0) - 0.4 / 0.7) < 0.03
+    plain = SamplingParams(temperature=1.0).as_arrays()           # no top-k / top-p: no filter
+    draws = np.asarray(jax.vmap(lambda k: sample(logits, k, plain)[0])(keys))
+    np.testing.assert_allclose(np.bincount(draws, minlength=4) / 4000, [0.4, 0.3, 0.2, 0.1],
+                               atol=0.03)
+    hot = jnp.array([[0.1, 3.0, -1.0], [2.0, 0.5, 1.9]])
+    assert np.asarray(sample(hot, keys[0], GREEDY.as_arrays())).tolist() == [1, 0]
 
 
 def test_saved_prompt_state_continues_exactly(gen, tmp_path):
@@ -134,7 +210,7 @@ def test_saved_prompt_state_continues_exactly(gen, tmp_path):
         load_state(tmp_path / "s.safetensors", other)
 
 
-def test_bad_inputs_are_one_line_errors(gen):
+def test_bad_inputs_are_one_line_errors(model, gen):
     with pytest.raises(ValueError, match=r"prompts\[1\]: empty prompt"):
         gen.generate([[1], []])
     with pytest.raises(ValueError, match=r"token ids must lie in \[0, 256\)"):
@@ -143,6 +219,11 @@ def test_bad_inputs_are_one_line_errors(gen):
         SamplingParams(top_p=0.0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         gen.generate([[1]], max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"stop_tokens: ids must be integers in \[0, 256\)"):
+        gen.generate([[1]], stop_tokens=[0, 256])
+    for bad in (0, -3, 2.0, True, "16"):
+        with pytest.raises(ValueError, match="decode_block: must be a positive integer"):
+            Generator(model, decode_block=bad)
 
 
 def test_cli_generate_greedy(tree, tmp_path, gen):

@@ -1,6 +1,6 @@
 """Text generation with RWKV-7 in RNN mode (O(1) per token), sampling, state save/load.
 
-    gen = Generator(model)                       # compiles the step once, reuse it
+    gen = Generator(model)                       # compiles prefill + decode block once; reuse it
     result = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=50,
                           sampling=SamplingParams(temperature=0.8, top_p=0.9),
                           stop_tokens=[0])

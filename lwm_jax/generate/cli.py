@@ -64,6 +64,9 @@ def add_generate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-stop-at-eod", action="store_true",
                    help="do not stop at the tokenizer's end-of-document id")
     p.add_argument("--prefill-chunk", type=int, default=256)
+    p.add_argument("--decode-block", type=int, default=16,
+                   help="decode steps per compiled call (one host sync each; text is streamed "
+                        "in bursts of up to this many tokens)")
     p.add_argument("--load-state", help="start from a state saved with --save-state")
     p.add_argument("--save-state", help="save the final state (.safetensors)")
     return p
@@ -106,7 +109,7 @@ def generate_main(args: argparse.Namespace, out=None) -> list[int]:
         raise ValueError("--prompt: empty after tokenization; give some text")
     stops = list(args.stop_token) + ([] if args.no_stop_at_eod else [tok.eod_id])
     initial = load_state(args.load_state, cfg) if args.load_state else None
-    gen = Generator(model, prefill_chunk=args.prefill_chunk)
+    gen = Generator(model, prefill_chunk=args.prefill_chunk, decode_block=args.decode_block)
     result = gen.generate([ids], args.max_new_tokens, sampling, stop_tokens=stops,
                           seed=args.seed, initial_state=initial,
                           on_token=_TextStream(tok, out))

@@ -1,4 +1,4 @@
-"""RNN-mode text generation for RWKV-7: chunked prefill, then one jitted O(1) step per token.
+"""RNN-mode text generation for RWKV-7: chunked prefill, then decoding in on-device blocks.
 
 How a batch of prompts of different lengths is run exactly (no padding ever enters the state):
 1. joint prefill: the first `P` tokens of every prompt, `P` = the largest multiple of
@@ -8,8 +8,23 @@ How a batch of prompts of different lengths is run exactly (no padding ever ente
    A row whose prompt is not finished is fed its next prompt token ("forced"); a row past its
    prompt is fed the token it sampled at the previous step. Finished rows keep their state
    frozen (masked update) while the others go on.
-Both compiled functions have fixed shapes, so the step compiles once per model structure and
-batch size (and the prefill likewise), whatever the prompts, lengths or sampling settings.
+3. blocks: `decode_block` steps run inside one compiled `lax.scan` with no host round trip.
+   The per-row bookkeeping lives on the device too: the count of returned tokens (a row that
+   already returned `max_new_tokens` finishes "length" at its next step, which consumes its
+   last token), stop-token detection through a boolean `[V]` mask (finish "stop"), and the
+   running flag. The carried state, token counts and key are donated, so the state buffers are
+   updated in place (a caller's `initial_state` is copied first and stays valid). Per block the
+   host gets tokens `[K, B]` int32 and event codes `[K, B]` int8 (0 nothing, 1 token returned,
+   2 finished "stop", 3 finished "length"), plus float32 logits `[K, B, V]` only when
+   `return_logits` (a static flag). The next block is launched before the host reads the
+   current one, so host work overlaps device work; a block the host already knows is not
+   needed (every row has reached `max_new_tokens`) is never launched, and one launched in vain
+   (all rows hit a stop token) changes nothing, since finished rows are frozen.
+The forced prompt tokens of each block are host-built `[K, B]` arrays and every setting (sampling
+knobs, `max_new_tokens`, stop mask) is a traced array, so the block compiles once per model
+structure, batch size, block length and `return_logits` (the prefill once per model structure
+and batch size), whatever the prompts, lengths or settings. Steps split the key exactly as a
+one-token-at-a-time loop would, so tokens do not depend on `decode_block`.
 
 The state returned at the end has consumed each row's prompt and every token returned for that
 row (a stop token is not returned and not consumed), ready to continue the conversation.
@@ -75,49 +90,111 @@ def _prefill_fn(graph, params, rest, tokens_BT, state):
     return state
 
 
-def _step_fn(graph, params, rest, state, feed_B, forced_B, is_forced_B, active_B, counts_BV, key,
-             sp):
-    """One token per row: model step (recurrent WKV), penalties, sampling, forced prompt tokens,
-    masked state update for rows that are already finished."""
-    TRACES["step"] += 1  # runs only while tracing
-    model = nnx.merge(graph, params, rest)
-    logits, new_state = model(feed_B[:, None], state=state, return_state=True)
-    logits_BV = logits[:, 0].astype(jnp.float32)
-    key, sub = jax.random.split(key)
-    sampled = sample(apply_penalties(logits_BV, counts_BV, sp), sub, sp)
-    nxt_B = jnp.where(is_forced_B, forced_B, sampled)
-    emit_B = (active_B & ~is_forced_B).astype(jnp.int32)
-    counts_BV = counts_BV + jax.nn.one_hot(nxt_B, logits_BV.shape[-1], dtype=jnp.int32) \
-        * emit_B[:, None]
+# Event codes per step and row in a block's output (also the finish codes carried on device).
+NONE, EMIT, STOP, LENGTH = 0, 1, 2, 3
 
-    def keep(new, old):
-        mask = active_B.reshape((1, -1) + (1,) * (new.ndim - 2))
-        return jnp.where(mask, new, old)
-    return nxt_B, jax.tree.map(keep, new_state, state), counts_BV, key, logits_BV
+
+def _block_fn(graph, return_logits, params, rest, carry, forced_KB, is_forced_KB, stop_V,
+              max_new, sp):
+    """`K = forced_KB.shape[0]` decode steps on the device (see the module docstring).
+
+    carry: `(state, counts_BV int32, key, feed_B int32, n_out_B int32, finish_B int32)`, where
+      `feed_B` is each row's next input token, `n_out_B` its count of returned tokens and
+      `finish_B` NONE while it runs, else STOP or LENGTH.
+    forced_KB / is_forced_KB: int32 / bool `[K, B]`, the prompt token each row must produce at
+      each step, and whether it must. stop_V: bool `[V]`. max_new: int32 scalar.
+    Returns `(carry, (tokens_KB int32, events_KB int8[, logits_KBV float32]))`.
+    """
+    TRACES["block"] += 1  # runs only while tracing
+    L = jax.tree.leaves(carry[0])[0].shape[0]
+    layers = _unstack(params, L, _is_block_param)   # once per block, not per step
+    state, *rest_carry = carry
+    carry = (_unstack(state, L), *rest_carry)
+
+    def step(carry, xs):
+        state_layers, counts_BV, key, feed_B, n_out_B, finish_B = carry
+        forced_B, is_forced_B = xs
+        active_B = finish_B == NONE
+        model = nnx.merge(graph, _restack(layers, _is_block_param), rest)
+        state = _restack(state_layers)
+        logits, new_state = model(feed_B[:, None], state=state, return_state=True)
+        logits_BV = logits[:, 0].astype(jnp.float32)
+        key, sub = jax.random.split(key)
+        sampled = sample(apply_penalties(logits_BV, counts_BV, sp), sub, sp)
+        nxt_B = jnp.where(is_forced_B, forced_B, sampled)
+        made_B = active_B & ~is_forced_B                 # rows whose nxt_B was generated
+        counts_BV = counts_BV.at[jnp.arange(nxt_B.shape[0]), nxt_B].add(made_B.astype(jnp.int32))
+        full_B = made_B & (n_out_B >= max_new)           # feed_B was its last token
+        stop_B = made_B & ~full_B & stop_V[nxt_B]
+        emit_B = made_B & ~full_B & ~stop_B
+        event_B = jnp.where(emit_B, EMIT, jnp.where(stop_B, STOP, jnp.where(full_B, LENGTH, NONE)))
+        finish_B = jnp.where(stop_B, STOP, jnp.where(full_B, LENGTH, finish_B))
+        n_out_B = n_out_B + emit_B.astype(jnp.int32)
+
+        def keep(new, old):          # one layer's state: batch is the leading axis
+            mask = active_B.reshape((-1,) + (1,) * (new.ndim - 1))
+            return jnp.where(mask, new, old)
+        state_layers = jax.tree.map(keep, _unstack(new_state, L), state_layers)
+        out = (nxt_B, event_B.astype(jnp.int8)) + ((logits_BV,) if return_logits else ())
+        return (state_layers, counts_BV, key, nxt_B, n_out_B, finish_B), out
+
+    (state_layers, *rest_carry), ys = jax.lax.scan(step, carry, (forced_KB, is_forced_KB))
+    return (_restack(state_layers), *rest_carry), ys
+
+
+# Inside a decode block the per-layer weights and states are separate arrays: the model's
+# stacked `[L, ...]` layout is rebuilt (`jnp.stack`) right where the model slices it again, and
+# XLA folds each slice-of-stack to the per-layer array. Without this, every step copies each
+# layer's weight slice before its matmul and re-stacks the whole state (H200, 1.5B, blocks of
+# 16: 5.1 -> 3.9 ms per step at batch 1, 6.6 -> 5.1 at batch 64; benchmarks/RESULTS.md).
+# Weights are split once per block (one extra copy of the block weights lives on the device
+# while decoding).
+def _is_block_param(path) -> bool:
+    return getattr(path[0], "key", None) == "blocks"
+
+
+def _unstack(tree, L: int, stacked=lambda path: True) -> list:
+    """`L` trees, the l-th holding `leaf[l]` of every leaf `stacked(path)` accepts."""
+    return [jax.tree_util.tree_map_with_path(
+        lambda path, a: a[l] if stacked(path) else a, tree) for l in range(L)]
+
+
+def _restack(layers: list, stacked=lambda path: True):
+    """Inverse of `_unstack`."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, *a: jnp.stack(a) if stacked(path) else a[0], *layers)
 
 
 _prefill = jax.jit(_prefill_fn, static_argnums=0)
-_step = jax.jit(_step_fn, static_argnums=0)
+_block = jax.jit(_block_fn, static_argnums=(0, 1), donate_argnums=4)
 
 
 class Generator:
-    """Prefill + step driver for one model.
+    """Prefill + block-decode driver for one model.
 
     Args:
       model: an `RWKV7` (its parameters are read now; later in-place changes are not seen).
       prefill_chunk: tokens per prefill call (a multiple of the model's chunk size is best).
+      decode_block: decode steps per compiled call (host round trip); more amortises the host
+        better, but up to `decode_block - 1` steps of the last block may be wasted.
     Compiled functions are shared (see `TRACES`): a second Generator for a model of the same
-    structure compiles nothing new.
+    structure (and the same `decode_block`) compiles nothing new.
+    Memory: while a decode block runs, one extra copy of the block weights (split per layer)
+    lives on the device next to the model's own.
     """
 
-    def __init__(self, model, prefill_chunk: int = 256):
+    def __init__(self, model, prefill_chunk: int = 256, decode_block: int = 16):
         from lwm_jax.interop.params import abstract_model
-        if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
-            raise ValueError(f"prefill_chunk: must be a positive integer, got {prefill_chunk!r}")
+        for name, val in (("prefill_chunk", prefill_chunk), ("decode_block", decode_block)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < 1:
+                raise ValueError(f"{name}: must be a positive integer, got {val!r}")
         self.cfg, self.policy = model.cfg, model.policy
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.decode_block = prefill_chunk, decode_block
         self._prefill_graph, self._params, self._rest = nnx.split(model, nnx.Param, ...)
-        step_cfg = dataclasses.replace(self.cfg, wkv_impl="recurrent")
+        # Decode graph: recurrent WKV (one token) and layers unrolled, not `lax.scan`ned, so
+        # that the per-layer split below applies (a layer scan slices the stacked weights
+        # inside the loop whatever we pass in).
+        step_cfg = dataclasses.replace(self.cfg, wkv_impl="recurrent", scan_layers=False)
         self._step_graph = nnx.split(abstract_model(step_cfg, self.policy), nnx.Param, ...)[0]
         self._init_state = model.init_state
 
@@ -125,55 +202,76 @@ class Generator:
     def stream(self, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                stop_tokens: Sequence[int] = (), seed: int = 0, initial_state=None,
                return_logits: bool = False) -> Iterator[tuple[int, int]]:
-        """Yield `(row, token)` as each row produces a token; returns a `GenerationResult`
-        (as the generator's return value; `generate` collects it)."""
+        """Yield `(row, token)` as each row produces a token (step by step, rows ascending);
+        returns a `GenerationResult` (as the generator's return value; `generate` collects it)."""
         sp = (sampling or SamplingParams()).as_arrays()
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens: must be an integer >= 0, got {max_new_tokens!r}")
-        rows = _as_prompts(prompts, self.cfg.vocab_size)
+        if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
+                or not 0 <= max_new_tokens < 2**30):
+            raise ValueError(f"max_new_tokens: must be an integer in [0, 2**30), "
+                             f"got {max_new_tokens!r}")
+        V = self.cfg.vocab_size
+        rows = _as_prompts(prompts, V)
+        stop_V = np.zeros(V, bool)
+        for t in stop_tokens:
+            if not isinstance(t, (int, np.integer)) or not 0 <= t < V:
+                raise ValueError(f"stop_tokens: ids must be integers in [0, {V}), got {t!r}")
+            stop_V[int(t)] = True
         B, lens = len(rows), np.array([len(p) for p in rows])
         prompt_BT = np.zeros((B, lens.max()), np.int32)
         for i, p in enumerate(rows):
             prompt_BT[i, : len(p)] = p
-        state = (self._init_state(B) if initial_state is None
-                 else broadcast_state(initial_state, B))
+        if initial_state is None:
+            state = self._init_state(B)
+        else:   # a private float32 copy: the decode blocks donate (invalidate) their input state
+            state = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True),
+                                 broadcast_state(initial_state, B))
         chunk = self.prefill_chunk
         P = (int(lens.min()) - 1) // chunk * chunk
         for start in range(0, P, chunk):
             state = _prefill(self._prefill_graph, self._params, self._rest,
                              jnp.asarray(prompt_BT[:, start: start + chunk]), state)
-        stops = {int(t) for t in stop_tokens}
+        K = self.decode_block
+        # Without stop tokens every row finishes ("length") by step max(lens) - P + max_new.
+        n_blocks = -(-(int(lens.max()) - P + max_new_tokens) // K)
+        carry = (state, jnp.zeros((B, V), jnp.int32), jax.random.key(seed),
+                 jnp.asarray(prompt_BT[:, P]), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+        consts = (jnp.asarray(stop_V), jnp.int32(max_new_tokens), sp)
         out: list[list[int]] = [[] for _ in range(B)]
         kept: list[list[np.ndarray]] = [[] for _ in range(B)]
         reasons = ["length"] * B
         running = np.ones(B, bool)
-        counts = jnp.zeros((B, self.cfg.vocab_size), jnp.int32)
-        key = jax.random.key(seed)
-        feed, pos = prompt_BT[:, P].copy(), P
+        pending: collections.deque = collections.deque()
+        launched, T = 0, prompt_BT.shape[1]
+        free = (jnp.zeros((K, B), jnp.int32), jnp.zeros((K, B), bool))   # no forced token
         while running.any():
-            is_forced = pos + 1 < lens
-            forced = np.where(is_forced, prompt_BT[:, np.minimum(pos + 1, lens.max() - 1)], 0)
-            nxt, state, counts, key, logits = _step(
-                self._step_graph, self._params, self._rest, state, jnp.asarray(feed, jnp.int32),
-                jnp.asarray(forced, jnp.int32), jnp.asarray(is_forced), jnp.asarray(running),
-                counts, key, sp)
-            nxt = np.asarray(nxt)
-            logits_host = np.asarray(logits) if return_logits else None
-            for i in np.flatnonzero(running & ~is_forced):
-                tok = int(nxt[i])
-                if len(out[i]) == max_new_tokens:
-                    running[i] = False            # its last token is now consumed
-                elif tok in stops:
-                    running[i], reasons[i] = False, "stop"
+            while launched < n_blocks and len(pending) < 2:   # keep one block in flight
+                next_pos_K = P + launched * K + np.arange(K) + 1   # position each step produces
+                if next_pos_K[0] < T:                              # some prompt is not done
+                    is_forced_KB = next_pos_K[:, None] < lens[None, :]
+                    prompt_KB = prompt_BT.T[np.minimum(next_pos_K, T - 1)]
+                    forced_KB = np.where(is_forced_KB, prompt_KB, 0)
+                    forcing = (jnp.asarray(forced_KB, jnp.int32), jnp.asarray(is_forced_KB))
                 else:
-                    out[i].append(tok)
+                    forcing = free
+                carry, ys = _block(self._step_graph, bool(return_logits), self._params, self._rest,
+                                   carry, *forcing, *consts)
+                pending.append(ys)
+                launched += 1
+            if not pending:
+                raise RuntimeError("Generator.stream: rows still running after the last block")
+            tokens_KB, events_KB, *logits = jax.device_get(pending.popleft())
+            for k, i in zip(*np.nonzero(events_KB)):          # step by step, rows ascending
+                if events_KB[k, i] == EMIT:
+                    out[i].append(int(tokens_KB[k, i]))
                     if return_logits:
-                        kept[i].append(logits_host[i])
-                    yield i, tok
-            feed, pos = nxt, pos + 1
-        logits_out = ([np.stack(k) if k else np.zeros((0, self.cfg.vocab_size), np.float32)
-                       for k in kept] if return_logits else None)
-        return GenerationResult(out, reasons, state, logits_out)
+                        kept[i].append(logits[0][k, i])
+                    yield int(i), out[i][-1]
+                else:
+                    running[i] = False
+                    reasons[i] = "stop" if events_KB[k, i] == STOP else "length"
+        logits_out = ([np.stack(k) if k else np.zeros((0, V), np.float32) for k in kept]
+                      if return_logits else None)
+        return GenerationResult(out, reasons, carry[0], logits_out)
 
     def generate(self, prompts, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),

@@ -80,9 +80,20 @@ def filter_logits(logits_BV, top_k, top_p):
 
 
 def sample(logits_BV, key, sp: dict):
-    """One token id per row (int32 `[B]`) from penalised logits; greedy when temperature <= 0."""
-    greedy = jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
-    temp = jnp.maximum(sp["temperature"], 1e-6)
-    filtered = filter_logits(logits_BV / temp, sp["top_k"], sp["top_p"])
-    drawn = jax.random.categorical(key, filtered, axis=-1).astype(jnp.int32)
-    return jnp.where(sp["temperature"] > 0, drawn, greedy)
+    """One token id per row (int32 `[B]`) from penalised logits; greedy when temperature <= 0.
+
+    The branches are `lax.cond`s on the traced settings, so the compiled step only pays for what
+    is switched on: no categorical draw when greedy, no sort over the vocabulary when top-k and
+    top-p are both off (same tokens as filtering with them off, minus float rounding in top-p).
+    """
+    def greedy(logits_BV):
+        return jnp.argmax(logits_BV, axis=-1).astype(jnp.int32)
+
+    def draw(logits_BV):
+        scaled_BV = logits_BV / jnp.maximum(sp["temperature"], 1e-6)
+        filtering = (sp["top_k"] > 0) | (sp["top_p"] < 1)
+        scaled_BV = jax.lax.cond(filtering, lambda x: filter_logits(x, sp["top_k"], sp["top_p"]),
+                                 lambda x: x, scaled_BV)
+        return jax.random.categorical(key, scaled_BV, axis=-1).astype(jnp.int32)
+
+    return jax.lax.cond(sp["temperature"] > 0, draw, greedy, logits_BV)
