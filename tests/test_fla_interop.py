@@ -13,8 +13,6 @@ through three layers and the head.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import pytest
 
@@ -26,6 +24,7 @@ fla_models = pytest.importorskip("fla.models")
 
 from lwm_jax.config import ModelConfig  # noqa: E402
 from lwm_jax.interop import hf, load_pretrained, read_params  # noqa: E402
+from lwm_jax.interop.params import flatten  # noqa: E402
 from lwm_jax.interop.testing import random_params  # noqa: E402
 from lwm_jax.models.rwkv7_reference import forward_np  # noqa: E402
 
@@ -117,8 +116,8 @@ def test_bf16_export_runs_in_fla_bf16(tree, tmp_path):
     hf.write_hf(CFG, tree, tmp_path / "hf16", dtype="bf16")
     model = load_fla(tmp_path / "hf16", dtype=torch.bfloat16)
     _, tree16 = read_params(tmp_path / "hf16")
-    flat16 = {k: np.asarray(v) for k, v in _leaves(tree16)}
-    for k, v in _leaves(tree):
+    flat16 = flatten(tree16)
+    for k, v in flatten(tree).items():
         if not (k.startswith("blocks/att/v") and k[-1] in "012"):   # layer 0's v0-v2 not stored
             np.testing.assert_array_equal(
                 flat16[k], np.asarray(v).astype(ml_dtypes.bfloat16).astype(np.float32))
@@ -128,15 +127,6 @@ def test_bf16_export_runs_in_fla_bf16(tree, tmp_path):
     err = rel(got, ref)
     print(f"FLA bf16 logits vs float64 reference of the bf16 weights: {err:.2e}")
     assert err < 3e-2   # bf16 activations: unit roundoff 2^-8 ~ 3.9e-3 per op, many ops deep
-
-
-def _leaves(tree, prefix=""):
-    for k, v in tree.items():
-        path = f"{prefix}/{k}" if prefix else k
-        if isinstance(v, dict):
-            yield from _leaves(v, path)
-        else:
-            yield path, v
 
 
 @pytest.mark.parametrize("shard", [None, "300KB"])
@@ -161,7 +151,7 @@ def test_fla_saved_checkpoint_imports_here(tmp_path, shard):
     model = model.cuda().eval()
 
     cfg, tree = read_params(tmp_path / "fla_saved")
-    assert dataclasses.replace(cfg, wkv_impl=CFG.wkv_impl) == CFG
+    assert cfg == CFG
     tokens = np.random.default_rng(5).integers(0, CFG.vocab_size, (2, 20))
     want, _ = fla_logits(model, tokens)
     ref, _ = forward_np(tree, tokens, head_size=CFG.head_size)

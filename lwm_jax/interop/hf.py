@@ -21,8 +21,8 @@ import ml_dtypes
 import numpy as np
 
 from lwm_jax.config import ModelConfig
-from lwm_jax.interop import layout, params
-from lwm_jax.interop.rwkv_pth import gather_params
+from lwm_jax.interop import layout
+from lwm_jax.interop.rwkv_pth import gather_params, scatter_params
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -140,18 +140,9 @@ def write_hf(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, dtype: st
     from safetensors.numpy import save_file
     if dtype not in HF_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {tuple(HF_DTYPES)}")
-    params.check_tree(cfg, tree, "export")
     np_dtype = HF_DTYPES[dtype][0]
-    flat = params.flatten(tree)
-    tensors: dict[str, np.ndarray] = {}
-    for path, name, kind in layout.HF_TOP:
-        tensors[name] = layout.to_external(np.asarray(flat[path], np.float32), kind)
-    for i in range(cfg.n_layer):
-        for path, suffix, kind in layout.HF_BLOCK:
-            if i == 0 and suffix in layout.HF_LAYER0_ABSENT:
-                continue
-            tensors[f"model.layers.{i}.{suffix}"] = layout.to_external(
-                np.asarray(flat[path][i], np.float32), kind)
+    tensors = scatter_params(cfg, tree, layout.HF_TOP, layout.HF_BLOCK, "model.layers.{i}.",
+                             layout.HF_LAYER0_ABSENT)
     tensors = {k: np.ascontiguousarray(v.astype(np_dtype)) for k, v in tensors.items()}
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)

@@ -120,21 +120,32 @@ def gather_params(sd: Mapping[str, np.ndarray], cfg: ModelConfig, top, block, bl
     return params.unflatten(flat)
 
 
+def scatter_params(cfg: ModelConfig, tree: dict, top, block, block_prefix: str,
+                   layer0_absent=()) -> dict[str, np.ndarray]:
+    """Inverse of `gather_params`: our params tree -> external state dict (float32 NumPy).
+
+    Block suffixes listed in `layer0_absent` are not written for layer 0.
+    """
+    params.check_tree(cfg, tree, "export")
+    flat = params.flatten(tree)
+    out: dict[str, np.ndarray] = {}
+    for path, name, kind in top:
+        out[name] = layout.to_external(np.asarray(flat[path], np.float32), kind)
+    for i in range(cfg.n_layer):
+        for path, suffix, kind in block:
+            if i == 0 and suffix in layer0_absent:
+                continue
+            out[block_prefix.format(i=i) + suffix] = layout.to_external(
+                np.asarray(flat[path][i], np.float32), kind)
+    return out
+
+
 def write_official(cfg: ModelConfig, tree: dict) -> dict[str, np.ndarray]:
     """Our params tree -> official state dict (float32 NumPy, official shapes and names).
 
     Layer 0's `v0, v1, v2` are written too (current RWKV-LM files carry them).
     """
-    params.check_tree(cfg, tree, "export")
-    flat = params.flatten(tree)
-    out: dict[str, np.ndarray] = {}
-    for path, name, kind in layout.OFFICIAL_TOP:
-        out[name] = layout.to_external(np.asarray(flat[path], np.float32), kind)
-    for i in range(cfg.n_layer):
-        for path, suffix, kind in layout.OFFICIAL_BLOCK:
-            out[f"blocks.{i}.{suffix}"] = layout.to_external(
-                np.asarray(flat[path][i], np.float32), kind)
-    return out
+    return scatter_params(cfg, tree, layout.OFFICIAL_TOP, layout.OFFICIAL_BLOCK, "blocks.{i}.")
 
 
 def load_pth(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -12,8 +12,6 @@ import jax.numpy as jnp
 
 from lwm_jax.ops.segments import reset_flags
 
-_HIGHEST = jax.lax.Precision.HIGHEST
-
 
 def recurrent_scan(r, w, k, v, a, b, initial_state, segment_ids, compute_dtype=jnp.float32):
     """The recurrence in `compute_dtype` (float32; float64 under `jax.enable_x64` for references).
@@ -41,29 +39,24 @@ def recurrent_scan(r, w, k, v, a, b, initial_state, segment_ids, compute_dtype=j
     else:
         S0_BHKV = initial_state.astype(compute_dtype)
 
-    if T == 1:   # one decode step: no scan, no layout swaps; 2 passes over the state
-        S_BHKV = jnp.where(reset_TB[0][:, None, None, None], 0, S0_BHKV)
-        S_BHKV, o_BHV = _one_token(S_BHKV, *(x[0] for x in (r_T, w_T, k_T, v_T, a_T, b_T)))
+    if T == 1:   # one decode step (never a reset: position 0 cannot start a new segment)
+        S_BHKV, o_BHV = _one_token(S0_BHKV, *(x[0] for x in (r_T, w_T, k_T, v_T, a_T, b_T)))
         return o_BHV[:, None], S_BHKV
 
     def step(S_BHKV, xs):
         r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK, reset_B = xs
         S_BHKV = jnp.where(reset_B[:, None, None, None], jnp.zeros_like(S_BHKV), S_BHKV)
-        sa_BHV = jnp.einsum("bhk,bhkv->bhv", a_BHK, S_BHKV, precision=_HIGHEST)
-        S_BHKV = (jnp.exp(w_BHK)[..., None] * S_BHKV
-                  + b_BHK[..., None] * sa_BHV[:, :, None, :]
-                  + k_BHK[..., None] * v_BHV[:, :, None, :])
-        o_BHV = jnp.einsum("bhk,bhkv->bhv", r_BHK, S_BHKV, precision=_HIGHEST)
-        return S_BHKV, o_BHV
+        return _one_token(S_BHKV, r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK)
 
     S_BHKV, o_TBHV = jax.lax.scan(step, S0_BHKV, (r_T, w_T, k_T, v_T, a_T, b_T, reset_TB))
     return jnp.swapaxes(o_TBHV, 0, 1), S_BHKV
 
 
 def _one_token(S_BHKV, r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK):
-    """One recurrence step written as broadcasts and sums over the key axis (not batched
-    matmuls), so XLA fuses it into a reduction over S and one read-modify-write of S with the
-    output reduction: the memory-bound shape of decoding (state >> weights at large batch)."""
+    """One recurrence step `(S [B,H,K,V], o [B,H,V])`, written as broadcasts and sums over the key
+    axis (not batched matmuls: exact in `compute_dtype` with no matmul precision to choose), so
+    XLA fuses it into a reduction over S and one read-modify-write of S with the output
+    reduction: the memory-bound shape of decoding (state >> weights at large batch)."""
     sa_BHV = jnp.sum(a_BHK[..., None] * S_BHKV, axis=-2)
     S_BHKV = (jnp.exp(w_BHK)[..., None] * S_BHKV + b_BHK[..., None] * sa_BHV[:, :, None, :]
               + k_BHK[..., None] * v_BHV[:, :, None, :])
