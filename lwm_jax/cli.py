@@ -31,6 +31,9 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     enable_compilation_cache()              # before the first compilation
     result = train(cfg, progress=not args.no_progress, stop_after=args.stop_after)
+    if result.stopped_by == "non-finite":
+        print(f"lwm-jax train: error: {result.diagnosis}", file=sys.stderr)
+        return 3
     val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
     print(f"lwm-jax train: step {result.step}, validation loss {val}, run dir {result.run_dir}")
     return 0

@@ -90,7 +90,8 @@ def test_run_name_defaults_to_file_stem(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.lrr=1"], "train.lrr: unknown key; valid keys: batch_size, betas, ctx_len, eps, "
                       "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, lr, "
-                      "min_lr, seed, steps, warmup_steps, weight_decay"),
+                      "max_consecutive_skips, min_lr, seed, steps, warmup_steps, "
+                      "weight_decay"),
     (["foo=1"], "foo: unknown key; valid keys: checkpoint, data, mesh, model, name, precision, "
                 "run_dir, train"),
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),

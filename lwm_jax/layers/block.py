@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.channel_mix import ChannelMix, channel_mix_forward
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.layers.time_mix import TimeMix, time_mix_forward
@@ -43,7 +44,7 @@ class Block(nnx.Module):
 
 
 def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
-                  segment_ids_BT=None):
+                  segment_ids_BT=None, probe=None):
     """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
 
     Args:
@@ -52,6 +53,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       v_first_BTC: `[B, T, C]` layer 0's value (None when `first`).
       state: this layer's `LayerState` (float32).
       first: True for layer 0 only (a Python bool: it changes the traced program).
+      probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
+        residual stream after each (`x_att`, `x_out`).
     Returns:
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """
@@ -60,10 +63,15 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=cfg.wkv_impl, chunk_size=cfg.chunk_size or None,
-        segment_ids_BT=segment_ids_BT)
+        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"))
     x_BTC = x_BTC + att
+    if probe is not None:
+        probe("x_att", x_BTC)
     xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
-                                        segment_ids_BT=segment_ids_BT)
+                                        segment_ids_BT=segment_ids_BT,
+                                        probe=scoped(probe, "ffn"))
+    if probe is not None:
+        probe("x_out", x_BTC)
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)
     return x_BTC, v_first_BTC, new_state

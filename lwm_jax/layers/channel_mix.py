@@ -32,7 +32,7 @@ class ChannelMix(nnx.Module):
         self.value = nnx.Param(jnp.zeros((L, F, C), pd), logical_axes=("layers", "mlp", "embed"))
 
 
-def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None):
+def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None):
     """One layer's ChannelMix.
 
     Args:
@@ -40,6 +40,7 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
       x_BTC: `[B, T, C]` LayerNorm'd input (cast to `policy.compute_dtype`).
       shift_BC: `[B, C]` previous token's `x` (zeros for a fresh sequence).
       segment_ids_BT: optional int `[B, T]`; the shift sees zeros where a document starts.
+      probe: optional `probe(name, x)` tap; sees the squared-ReLU hidden layer and the output.
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.
     """
@@ -48,4 +49,8 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + xx * p["x_k"].astype(cd)
     hidden = jnp.square(jax.nn.relu(policy.einsum("btc,cf->btf", k, p["key"])))
-    return policy.einsum("btf,fc->btc", hidden, p["value"])
+    out = policy.einsum("btf,fc->btc", hidden, p["value"])
+    if probe is not None:
+        probe("hidden", hidden)
+        probe("out", out)
+    return out

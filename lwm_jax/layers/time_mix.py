@@ -102,7 +102,7 @@ def _lora(policy, x_BTC, down, up):
 
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
-                     segment_ids_BT=None) -> tuple[Any, Any, Any]:
+                     segment_ids_BT=None, probe=None) -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
     Args:
@@ -114,6 +114,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       v_first_BTC: `[B, T, C]` layer 0's value (ignored, may be None, when `first`).
       first: True for layer 0 (defines `v_first = v`; no value residual).
       segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
+      probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`); sees r, k, v, the
+        log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
     Returns:
       `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
       dtype, state float32.
@@ -145,13 +147,22 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
 
     heads = lambda t: t.reshape(B, T, H, N)  # noqa: E731
     r4, k4, v4, a4 = heads(r), heads(k), heads(v), heads(a)
-    o, wkv_BHNN = wkv7(r4, heads(w), k4, v4, (-kk).astype(cd), (kk * a4.astype(f32)).astype(cd),
+    a_in, b_in = (-kk).astype(cd), (kk * a4.astype(f32)).astype(cd)
+    tap = probe or (lambda name, x: None)
+    for name, val in (("r", r4), ("w", heads(w)), ("k", k4), ("v", v4), ("a_in", a_in),
+                      ("b_in", b_in), ("a", a), ("g", g)):
+        tap(name, val)
+    o, wkv_BHNN = wkv7(r4, heads(w), k4, v4, a_in, b_in,
                        initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
                        chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd)
+    tap("wkv_out", o)
+    tap("wkv_state", wkv_BHNN)
 
     y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
                    eps=N * 1e-5, out_dtype=cd)
+    tap("ln_x", y)
     bonus = jnp.sum(r4 * k4 * p["r_k"].astype(cd), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
     out = policy.einsum("btc,cd->btd", y * g, p["output"])
+    tap("out", out)
     return out, v_first_BTC, wkv_BHNN

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lwm_jax.config import ModelConfig
+from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers import init
 from lwm_jax.layers.block import Block, LayerState, block_forward
 from lwm_jax.layers.norms import LayerNorm, layer_norm
@@ -111,7 +112,7 @@ class RWKV7(nnx.Module):
         return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
     def __call__(self, tokens_BT, state: RWKV7State | None = None, return_state: bool = False,
-                 segment_ids=None):
+                 segment_ids=None, probe=None):
         """Logits for `tokens_BT` (int `[B, T]`).
 
         Args:
@@ -119,6 +120,9 @@ class RWKV7(nnx.Module):
           return_state: also return the state after the last token.
           segment_ids: optional int `[B, T]` packed-document ids: the recurrent state (WKV and
             token shift) restarts from zero where the id changes (not at position 0).
+          probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`) called in execution
+            order: `emb`, `ln0`, `layer{l}/...` for each block, `logits`. Needs a model built
+            with `remat=False` and `scan_layers=False` (ValueError otherwise).
         Returns:
           logits `[B, T, V]` in `policy.output_dtype` (computed in float32), or
           `(logits, RWKV7State)` when `return_state`.
@@ -136,16 +140,23 @@ class RWKV7(nnx.Module):
                              f"tokens' shape {(B, T)}")
         if segment_ids is not None:
             segment_ids = jnp.asarray(segment_ids)
+        if probe is not None and (self.cfg.remat or self.cfg.scan_layers):
+            raise ValueError("RWKV7: a probe needs a model built with remat=False and "
+                             "scan_layers=False (it cannot look inside jax.checkpoint or lax.scan)")
+        tap = probe or (lambda name, x: None)
         # out-of-range token ids give NaN embeddings (jnp.take's "fill" mode), hence NaN logits
         x = jnp.take(self.emb[...], tokens_BT, axis=0)
+        tap("emb", x)
         x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...],
                        out_dtype=self.policy.compute_dtype)
+        tap("ln0", x)
 
         params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
         states = LayerState(state.tmix_shift, state.cmix_shift, state.wkv)
-        x, new = self._run_blocks(params, x, states, segment_ids)
+        x, new = self._run_blocks(params, x, states, segment_ids, probe)
 
         logits = self.head_logits(x)
+        tap("logits", logits)
         if return_state:
             return logits, RWKV7State(new.tmix_shift, new.cmix_shift, new.wkv)
         return logits
@@ -161,21 +172,21 @@ class RWKV7(nnx.Module):
         logits = self.policy.einsum_f32("btc,cv->btv", xo, self.head[...])
         return logits.astype(self.policy.output_dtype)
 
-    def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids):
+    def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
         """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
         cfg, policy = self.cfg, self.policy
 
         def make(first):
             fn = partial(block_forward, first=first, cfg=cfg, policy=policy)
 
-            def step(p, x, v_first, st, seg):
-                return fn(p, x, v_first, st, segment_ids_BT=seg)
+            def step(p, x, v_first, st, seg, layer_probe=None):
+                return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
             return jax.checkpoint(step) if cfg.remat else step
 
         first_step, rest_step = make(True), make(False)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
         x_BTC, v_first, s0 = first_step(layer(params, 0), x_BTC, None, layer(states, 0),
-                                        segment_ids)
+                                        segment_ids, scoped(probe, "layer0"))
         if cfg.n_layer == 1:
             return x_BTC, jax.tree.map(lambda a: a[None], s0)
         if cfg.scan_layers:
@@ -190,7 +201,8 @@ class RWKV7(nnx.Module):
             outs = [s0]
             for l in range(1, cfg.n_layer):
                 x_BTC, v_first, st = rest_step(layer(params, l), x_BTC, v_first,
-                                               layer(states, l), segment_ids)
+                                               layer(states, l), segment_ids,
+                                               scoped(probe, f"layer{l}"))
                 outs.append(st)
             new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
         return x_BTC, new

@@ -19,6 +19,8 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from lwm_jax.diagnostics.nonfinite import nonfinite_params
+from lwm_jax.loss_scale import all_finite
 from lwm_jax.train.config import CheckpointSection
 
 
@@ -47,10 +49,18 @@ class Checkpointer:
     def save(self, step: int, state: Any, data_state: dict, *, force: bool = False) -> bool:
         """Start saving `state` (a pytree of jax arrays) and `data_state` (JSON-able) at `step`.
 
-        Returns False when a checkpoint for `step` already exists (nothing written).
+        Returns False when a checkpoint for `step` already exists (nothing written). A state
+        whose parameters hold a NaN/inf is never written (ValueError naming the parameters):
+        resuming from it could only reproduce the divergence.
         """
         if step in self._manager.all_steps():
             return False
+        params = getattr(state, "params", state)
+        if not bool(all_finite(params)):
+            names = nonfinite_params(params)
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            raise ValueError(f"checkpoint: refusing to save step {step} in {self.directory}: "
+                             f"non-finite parameters ({shown}); the run diverged")
         return self._manager.save(
             step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                           data=ocp.args.JsonSave(data_state)), force=force)

@@ -52,6 +52,9 @@ class TrainSection:
     eval_every: validation every this many steps (0 = only at the end).
     eval_batches: batches of `batch_size` sequences per validation.
     log_every: steps between metric records.
+    max_consecutive_skips: stop the run after this many optimizer steps in a row were skipped
+      because the loss or a gradient was non-finite (their update is never applied; under
+      fp16 loss scaling only skips at the minimum loss scale count). 0 = never stop.
     """
 
     lr: float = 3e-3
@@ -70,6 +73,7 @@ class TrainSection:
     eval_every: int = 25
     eval_batches: int = 4
     log_every: int = 5
+    max_consecutive_skips: int = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +226,7 @@ def _check_values(cfg: RunConfig) -> None:
     non_negative = {"train.min_lr": t.min_lr, "train.warmup_steps": t.warmup_steps,
                     "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
                     "train.eval_every": t.eval_every, "train.seed": t.seed,
+                    "train.max_consecutive_skips": t.max_consecutive_skips,
                     "checkpoint.every": c.every}
     for key, v in non_negative.items():
         if v < 0:

@@ -9,8 +9,9 @@ counted), so `tflops = 6 * n_params * tokens_per_s / 1e12` summed over all devic
 entry in `PEAK_FLOPS` (CPUs).
 
 Record formats (one strict-JSON object per line; non-finite numbers are written as null):
-  train: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s"
-          [, "loss_scale", "skipped_steps" with fp16 loss scaling]}
+  train: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s",
+          "skipped_steps" (steps so far whose update was skipped: non-finite loss or gradient)
+          [, "loss_scale" with fp16 loss scaling]}
   eval:  {"step", "val_loss"}
 `step` counts optimizer steps completed (the first record after one step has step 1).
 """
@@ -131,9 +132,9 @@ class MetricsLogger:
                if tflops is not None and self.peak else None)
         rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                "tokens_per_s": tok_s, "tflops": tflops, "mfu": mfu,
-               "elapsed_s": now - self._t0}
+               "elapsed_s": now - self._t0, "skipped_steps": int(m["skipped_steps"])}
         if self.fp16:
-            rec.update(loss_scale=m["loss_scale"], skipped_steps=int(m["skipped_steps"]))
+            rec.update(loss_scale=m["loss_scale"])
         self._write(rec)
         post = {"loss": f"{m['loss']:.4f}"}
         if tok_s:

@@ -4,6 +4,12 @@ One optimizer step = forward + backward over `grad_accum` micro-batches (a `lax.
 summed in float32 and divided by `grad_accum`, which equals the gradient of the mean loss over
 the whole batch), optional fp16 loss scaling, global-norm clipping, AdamW. Everything runs in
 ONE `jax.jit` whose inputs and outputs carry explicit `NamedSharding`s over the mesh.
+
+Non-finite guard (every policy): when the loss or any gradient is NaN/inf, the step's update is
+not applied — parameters and Adam moments stay as they were, the step counter still advances
+(the batch is consumed) and `finite` is 0 in the metrics. A NaN therefore never reaches the
+parameters or a checkpoint; the trainer stops a run whose steps keep failing
+(`train.max_consecutive_skips`) and names the op that produced the first non-finite value.
 """
 from __future__ import annotations
 
@@ -58,8 +64,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
 
     tokens: int `[B, T+1]` when `grad_accum == 1`, else `[grad_accum, B/grad_accum, T+1]`.
     metrics: dict of float32 scalars `loss` (mean cross-entropy, nats), `grad_norm` (global norm
-      of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied),
-      `skipped_steps` (steps so far whose update an fp16 overflow skipped).
+      of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied,
+      0 = skipped: non-finite loss or gradient), `skipped_steps` (steps skipped so far).
     State buffers are donated: the caller must use the returned state.
     """
 
@@ -89,15 +95,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
     def step(state: TrainState, tokens):
         loss, grads = gradients(state.params, tokens, state.loss_scale)
         grads = state.loss_scale.unscale(grads)
-        finite = all_finite(grads)
+        finite = all_finite(grads) & jnp.isfinite(loss)
         lr = lr_at(state.step)
         updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
         params = optax.apply_updates(state.params, updates)
-        if isinstance(state.loss_scale, DynamicLossScale):
-            # Overflow: keep the old params and moments (the scale is halved below).
-            keep = lambda new, old: jax.tree.map(  # noqa: E731
-                lambda n, o: jnp.where(finite, n, o), new, old)
-            params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
+        # Non-finite loss or gradient (fp16 overflow, divergence): keep the old params and
+        # moments (under fp16 the scale is halved below).
+        keep = lambda new, old: jax.tree.map(  # noqa: E731
+            lambda n, o: jnp.where(finite, n, o), new, old)
+        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_state = TrainState(state.step + 1, params, opt_state,
                                state.loss_scale.adjust(finite), state.rng)
         scale = getattr(new_state.loss_scale, "scale", jnp.ones([], jnp.float32))

@@ -12,18 +12,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import yaml
 from flax import nnx
 from tqdm.auto import tqdm
 
+from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.loss_scale import loss_scale_for
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.precision import parse_policy
 from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
+from lwm_jax.train.guard import SkipWatch
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
 from lwm_jax.train.optimizer import lr_schedule, make_optimizer
 from lwm_jax.train.params import count_params, split_model
@@ -36,30 +40,51 @@ from lwm_jax.train.step import TrainState, make_eval_step, make_train_step
 @dataclasses.dataclass
 class TrainResult:
     """What a `train` call ends with. `stopped_by`: signal name when a signal ended the run
-    early; `final_val_loss`: None without a validation split."""
+    early, or "non-finite" when `train.max_consecutive_skips` steps in a row were skipped;
+    `diagnosis`: then, one line naming the first op that produced a non-finite value;
+    `final_val_loss`: None without a validation split (or after a stop)."""
 
     run_dir: str
     step: int
     state: TrainState
     final_val_loss: float | None
     stopped_by: str | None
+    diagnosis: str | None = None
 
 
-def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None) -> TrainResult:
-    """Train (or resume) the run described by `cfg`.
+@dataclasses.dataclass
+class TrainProgram:
+    """Everything `lwm-jax train` compiles for a config, before any data or checkpoint.
 
-    stop_after: run at most this many optimizer steps in this call, then checkpoint and return
-      (the schedule still spans `train.steps`; calling again continues).
+    Benchmarks and diagnostics build their step here so that they time and test exactly what
+    `train` runs. `train_step(state, tokens) -> (state, metrics)` donates `state`;
+    `eval_step(params, tokens_BT1) -> loss`.
     """
-    t = cfg.train
-    run_dir = cfg.resolved_run_dir
-    os.makedirs(run_dir, exist_ok=True)
-    _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        f.write(cfg.to_yaml())
-    policy = parse_policy(cfg.precision)
 
-    # Mesh.
+    cfg: RunConfig
+    policy: Any
+    sizes: dict
+    mesh: Any
+    graphdef: Any
+    axes: dict
+    tx: Any
+    lr_at: Any
+    fresh_state: Any          # () -> TrainState (unsharded; used under jit by `init_state`)
+    abstract_state: TrainState
+    state_sh: Any             # TrainState of NamedShardings
+    params_sh: Any
+    train_step: Any
+    eval_step: Any
+
+    def init_state(self) -> TrainState:
+        """A freshly initialised train state, placed on the mesh."""
+        return _initial_state(self.fresh_state, self.state_sh)
+
+
+def build_program(cfg: RunConfig) -> TrainProgram:
+    """Mesh, abstract model, optimizer, shardings and the jitted steps for `cfg`."""
+    t = cfg.train
+    policy = parse_policy(cfg.precision)
     sizes = mesh_shape(cfg.mesh, jax.device_count())
     check_against_mesh(cfg, sizes)
     mesh = make_mesh(sizes)
@@ -80,12 +105,34 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     state_sh = dataclasses.replace(
         jax.tree.map(lambda _: replicated(mesh), abstract_state), params=params_sh,
         opt_state=shard_like_params(abstract_state.opt_state, abstract_params, params_sh, mesh))
+    train_step = make_train_step(graphdef, tx, lr_at, grad_accum=t.grad_accum,
+                                 use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh)
+    eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh)
+    return TrainProgram(cfg, policy, sizes, mesh, graphdef, axes, tx, lr_at, fresh_state,
+                        abstract_state, state_sh, params_sh, train_step, eval_step)
+
+
+def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None) -> TrainResult:
+    """Train (or resume) the run described by `cfg`.
+
+    stop_after: run at most this many optimizer steps in this call, then checkpoint and return
+      (the schedule still spans `train.steps`; calling again continues).
+    """
+    t = cfg.train
+    run_dir = cfg.resolved_run_dir
+    os.makedirs(run_dir, exist_ok=True)
+    _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
+    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        f.write(cfg.to_yaml())
+    prog = build_program(cfg)
+    policy, mesh, sizes = prog.policy, prog.mesh, prog.sizes
+    abstract_state, state_sh = prog.abstract_state, prog.state_sh
 
     # Restore the newest complete checkpoint, or initialise.
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
     latest = ckpt.latest_step()
     if latest is None:
-        state, data_state = _initial_state(fresh_state, state_sh), None
+        state, data_state = prog.init_state(), None
     else:
         state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract_state, state_sh))
 
@@ -97,9 +144,7 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     val = batches.val_sampler(splits.val, t) if splits.val is not None else None
     n_eval = min(t.eval_batches, val.steps_per_epoch) if val is not None else 0
 
-    train_step = make_train_step(graphdef, tx, lr_at, grad_accum=t.grad_accum,
-                                 use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh)
-    eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh)
+    train_step, eval_step = prog.train_step, prog.eval_step
     step_tokens_sh = tokens_sharding(mesh, with_accum_axis=t.grad_accum > 1)
     eval_tokens_sh = tokens_sharding(mesh)
     V = cfg.model.vocab_size
@@ -114,7 +159,7 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     if sampler.step != start:
         raise ValueError(f"checkpoint {latest}: sampler step {sampler.step} != train step {start}")
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
-    n_params = count_params(abstract_params)
+    n_params = count_params(abstract_state.params)
     tqdm.write(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
                f"precision {policy.name}, mesh {sizes}, data {splits.description}; "
                + (f"resumed at step {start}" if latest is not None else "fresh start")
@@ -127,7 +172,9 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
         val_loss, last_eval = evaluate(state.params), 0
         logger.log_eval(0, val_loss)
 
-    step, stopped_by, logged = start, None, None
+    step, stopped_by, logged, diagnosis = start, None, None, None
+    watch = SkipWatch(t.max_consecutive_skips,
+                      getattr(state.loss_scale, "min_scale", None))
     with StopRequest() as stop:
         while step < end and stop.requested is None:
             tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
@@ -135,6 +182,9 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
             state, metrics = train_step(state, tokens)
             step += 1
             logger.advance()
+            if watch.push(step, metrics, tokens):
+                stopped_by = "non-finite"
+                break
             if step == start + 1:             # the first step compiled: time from here on
                 jax.block_until_ready(metrics)
                 logger.reset_timer(step)
@@ -147,9 +197,13 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
                 logger.reset_timer(step)          # tokens/s measures training steps only
             if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
                 ckpt.save(step, state, sampler.state_dict())
-        stopped_by = stop.requested
-        if step > start and logged != step:        # stopped early by a signal
+        if stopped_by is None and watch.flush():
+            stopped_by = "non-finite"
+        stopped_by = stopped_by or stop.requested
+        if step > start and logged != step:        # stopped early by a signal or divergence
             logger.log_train(step, metrics)
+        if stopped_by == "non-finite":
+            diagnosis = _diagnose(cfg, policy, state.params, watch, t.max_consecutive_skips)
         # Final checkpoint (also on a stop signal); the signal handlers stay installed until
         # it is on disk, so a second SIGTERM cannot interrupt the save.
         ckpt.save(step, state, sampler.state_dict())
@@ -160,10 +214,27 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
         logger.log_eval(step, val_loss)
     logger.close()
     plot_loss_curve(logger.path, os.path.join(run_dir, "loss_curve.png"), title=cfg.name)
-    if stopped_by is not None:
+    if stopped_by == "non-finite":
+        tqdm.write(f"lwm-jax train: {diagnosis}; the last finite state is checkpointed at "
+                   f"step {step} in {ckpt.directory}")
+    elif stopped_by is not None:
         tqdm.write(f"lwm-jax train: {stopped_by} received; checkpoint saved at step {step} in "
                    f"{ckpt.directory}; run the same command again to resume")
-    return TrainResult(run_dir, step, state, val_loss, stopped_by)
+    return TrainResult(run_dir, step, state, val_loss, stopped_by, diagnosis)
+
+
+def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> str:
+    """One line: why the run stopped and the first op with a non-finite value on the last
+    skipped batch (a probed forward with the current, finite parameters)."""
+    bad_step, tokens = watch.last_bad
+    head = (f"stopped: {limit} steps in a row had a non-finite loss or gradient and were "
+            f"skipped (parameters unchanged; last at step {bad_step})")
+    try:
+        inputs = tokens[0, :, :-1] if tokens.ndim == 3 else tokens[:, :-1]
+        stats = tap_stats(cfg.model, policy, params, inputs)
+        return f"{head}; {describe(stats, int(inputs.shape[1]))}"
+    except Exception as err:   # the stop and its checkpoint matter more than the diagnosis
+        return f"{head}; the forward re-run that localises it failed ({type(err).__name__}: {err})"
 
 
 def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
