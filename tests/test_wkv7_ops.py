@@ -156,6 +156,37 @@ def test_gradients_match_float64(impl, T, chunk, use_state, use_seg):
         assert rel_err(g, ref[name]) <= TOL_F32, name
 
 
+@pytest.mark.parametrize("T,budget_chunks", [(96, 2), (112, 2), (96, 4)])
+def test_chunk_groups_give_the_same_values_and_gradients(monkeypatch, T, budget_chunks):
+    """The chunked form computes its chunk terms over groups of chunks (`lax.map`, each group
+    checkpointed) to bound memory; with a tiny budget (groups of 2 of 6 chunks, 1 of 7, 3 of 6)
+    outputs, final state and every gradient still equal float64."""
+    from lwm_jax.ops import wkv7_chunked
+    chunk = 16
+    per_chunk = B * H * chunk * max(16 * K, chunk)
+    monkeypatch.setattr(wkv7_chunked, "GROUP_BUDGET", budget_chunks * per_chunk)
+    jax.clear_caches()       # the jitted op must be traced again under the patched budget
+    xs = random_wkv7_inputs(11 + T, B, T, H, K, V)
+    s0, seg = _state(11), jnp.asarray(random_segment_ids(11, B, T))
+    rng = np.random.default_rng(T)
+    d_out = jnp.asarray(rng.normal(size=(B, T, H, V)), jnp.float32)
+    d_state = jnp.asarray(rng.normal(size=(B, H, K, V)), jnp.float32)
+
+    def loss(xs, s0):
+        o, s = wkv7(*xs, initial_state=s0, segment_ids=seg, chunk_size=chunk, impl="chunked",
+                    return_state=True)
+        return jnp.sum(o * d_out) + jnp.sum(s * d_state), (o, s)
+
+    (_, (o, s)), (g_xs, g_s0) = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        xs, s0)
+    jax.clear_caches()
+    ref_o, ref_s = wkv7_reference_np(*xs, initial_state=s0, segment_ids=seg)
+    assert rel_err(o, ref_o) <= TOL_F32 and rel_err(s, ref_s) <= TOL_F32
+    _, _, ref = wkv7_reference_vjp_f64(xs, s0, seg, d_out, d_state)
+    for name, g in zip(["r", "w", "k", "v", "a", "b", "initial_state"], (*g_xs, g_s0)):
+        assert rel_err(g, ref[name]) <= TOL_F32, name
+
+
 def test_bf16_inputs_error_is_output_rounding():
     xs = random_wkv7_inputs(7, 1, 128, 2, 64, 64, jnp.bfloat16)
     ref_o, _ = wkv7_reference_np(*xs)  # float64 on the same (bf16-rounded) inputs

@@ -7,6 +7,14 @@
 3. `lax.scan` over chunks carries the state ([K, K] x [K, V] matmul per chunk and head).
 4. Outputs of all chunks from their start states, then un-pad.
 Gradients (to every input and to `initial_state`) come from JAX autodiff of these steps.
+
+Memory: step 2 builds pairwise decay tensors `[.., C, c, K]` per chunk (c = sub-block length,
+16) and several `[.., C, C]` matrices; for all chunks at once that is about 14 GiB of float32
+temporaries for fwd+bwd at B, T, H, K = 8, 4096, 12, 64, and a model kept them for every layer.
+So step 2 runs as a `lax.map` over groups of chunks (`GROUP_BUDGET` bounds one group's largest
+temporary), each group under `jax.checkpoint`: its backward recomputes one group at a time. The
+op as a whole is checkpointed too and keeps for the backward only the chunk terms and the
+chunk-start states (`[B, H, T, K]`-sized, names "wkv7_chunk_terms" / "wkv7_chunk_states").
 """
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.ops.segments import segment_counter
 from lwm_jax.ops.wkv7_chunk_math import chunk_terms, sub_block_size
@@ -39,6 +48,10 @@ def _document_masks(segment_ids, B, NC, C, pad):
     return same_ts, m0, m_end
 
 
+_SAVE = jax.checkpoint_policies.save_only_these_names("wkv7_chunk_states", "wkv7_chunk_terms")
+GROUP_BUDGET = 1 << 25   # float32 entries of one chunk group's largest temporary (128 MiB)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size", "output_dtype"))
 def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype):
     """Chunk-parallel WKV7 (inputs already validated by `lwm_jax.ops.wkv7`).
@@ -53,6 +66,11 @@ def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, outpu
     Returns:
       `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
     """
+    body = functools.partial(_chunked, chunk_size=chunk_size, output_dtype=output_dtype)
+    return jax.checkpoint(body, policy=_SAVE)(r, w, k, v, a, b, initial_state, segment_ids)
+
+
+def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output_dtype):
     B, T, H, K = r.shape
     V = v.shape[-1]
     C = chunk_size
@@ -65,7 +83,8 @@ def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, outpu
 
     r_c, w_c, k_c, v_c, a_c, b_c = (to_chunks(x) for x in (r, w, k, v, a, b))
     masks = None if segment_ids is None else _document_masks(segment_ids, B, NC, C, pad)
-    Q_CK, O_CV, M_KK, S_KV = chunk_terms(r_c, w_c, k_c, v_c, a_c, b_c, masks, sub_block_size(C))
+    terms = _grouped_chunk_terms((r_c, w_c, k_c, v_c, a_c, b_c), masks, C)
+    Q_CK, O_CV, M_KK, S_KV = (checkpoint_name(x, "wkv7_chunk_terms") for x in terms)
 
     if initial_state is None:
         S0_BHKV = jnp.zeros((B, H, K, V), jnp.float32)
@@ -80,8 +99,37 @@ def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, outpu
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # [B, H, NC, ...] -> [NC, B, H, ...]
     S_final, S_start_NBHKV = jax.lax.scan(step, S0_BHKV, (chunk_major(M_KK), chunk_major(S_KV)))
-    S_start = jnp.moveaxis(S_start_NBHKV, 0, 2)  # [B, H, NC, K, V]
+    S_start = checkpoint_name(jnp.moveaxis(S_start_NBHKV, 0, 2), "wkv7_chunk_states")  # [B,H,NC,K,V]
     o_BHNCV = jnp.einsum("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=_HIGHEST,
                          preferred_element_type=jnp.float32) + O_CV
     o_BTHV = o_BHNCV.transpose(0, 2, 3, 1, 4).reshape(B, NC * C, H, V)[:, :T]
     return o_BTHV.astype(output_dtype), S_final
+
+
+def _grouped_chunk_terms(inputs, masks, C):
+    """`chunk_terms` of every chunk, computed over groups of G chunks with `lax.map`.
+
+    inputs: r, w, k, v, a, b as `[B, H, NC, C, D]` float32; masks: None or arrays shaped
+    `[B, 1, NC, ...]`. G is the largest divisor of NC whose group keeps the biggest temporary
+    (pairwise decays `[B, H, G, C, c, K]` or `[B, H, G, C, C]` matrices) within `GROUP_BUDGET`
+    entries. Each group is checkpointed, so its backward holds one group's temporaries.
+    """
+    B, H, NC, _, K = inputs[0].shape
+    c = sub_block_size(C)
+    per_chunk = B * H * C * max(c * K, C)
+    cap = max(1, GROUP_BUDGET // per_chunk)
+    G = max(d for d in range(1, min(NC, cap) + 1) if NC % d == 0)
+    if G == NC:
+        return chunk_terms(*inputs, masks, c)
+    NG = NC // G
+
+    def split(x):   # [B, H, NC, ...] -> [NG, B, H, G, ...]
+        return jnp.moveaxis(x.reshape(*x.shape[:2], NG, G, *x.shape[3:]), 2, 0)
+
+    def merge(x):   # [NG, B, H, G, ...] -> [B, H, NC, ...]
+        return jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], NC, *x.shape[4:])
+
+    group = jax.checkpoint(lambda xs_ms: chunk_terms(*xs_ms[0], xs_ms[1], c))
+    groups = (tuple(split(x) for x in inputs),
+              None if masks is None else tuple(split(m) for m in masks))
+    return tuple(merge(x) for x in jax.lax.map(group, groups))
