@@ -33,27 +33,20 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from lwm_jax.ops import tril_inverse
+
 _HIGHEST = jax.lax.Precision.HIGHEST
 MAX_SUB_BLOCK = 16
 
 
 def unit_lower_inverse(A_CC):
-    """`(I - A)^{-1}` for strictly lower triangular `A` `[..., C, C]` (float32), by matmuls only.
-
-    A is nilpotent (A^C = 0), so `(I - A)^{-1} = (I + A)(I + A^2)(I + A^4)...` with
-    ceil(log2 C) factors (they commute). Matmuls instead of a LAPACK triangular solve: the same
-    algebra as the Pallas kernels, tensor-core friendly on GPU, and no LAPACK custom call on CPU
-    (whose batched form can deadlock XLA:CPU's intra-op pool on small machines).
+    """`(I - A)^{-1}` for strictly lower triangular `A` `[..., C, C]` (float32), by matmuls only:
+    the blocked form of `lwm_jax.ops.tril_inverse` (see there for why not a plain doubling
+    product), in IEEE fp32. Matmuls instead of a LAPACK triangular solve: the same algebra as
+    the Pallas kernels, and no LAPACK custom call on CPU (whose batched form can deadlock
+    XLA:CPU's intra-op pool on small machines).
     """
-    C = A_CC.shape[-1]
-    inv = jnp.eye(C, dtype=jnp.float32) + A_CC
-    power = A_CC
-    span = 2
-    while span < C:
-        power = _mm("...ij,...jk->...ik", power, power)
-        inv = inv + _mm("...ij,...jk->...ik", inv, power)
-        span *= 2
-    return inv
+    return tril_inverse.unit_lower_inverse(A_CC, lambda x, y: _mm("...ij,...jk->...ik", x, y))
 
 
 def sub_block_size(chunk_size: int) -> int:
