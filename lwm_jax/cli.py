@@ -34,6 +34,10 @@ def _train(args: argparse.Namespace) -> int:
     if result.stopped_by == "non-finite":
         print(f"lwm-jax train: error: {result.diagnosis}", file=sys.stderr)
         return 3
+    if result.stopped_by == "complete":
+        return 0
+    if result.stopped_by in ("SIGINT", "SIGTERM"):   # the trainer said where it checkpointed
+        return 130 if result.stopped_by == "SIGINT" else 143
     val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
     print(f"lwm-jax train: step {result.step}, validation loss {val}, run dir {result.run_dir}")
     return 0

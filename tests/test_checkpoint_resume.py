@@ -150,10 +150,10 @@ def test_sigkill_resumes_from_last_complete_checkpoint_and_sigterm_saves(tmp_pat
     # 2) The same command resumes from the newest complete checkpoint ...
     proc = _start(run_dir, data_prefix, compile_cache)
     _wait_for(lambda: max(_steps_on_disk(ckpt_dir)) > complete[-1], proc)
-    # 3) ... and SIGTERM makes it save where it is and exit cleanly.
+    # 3) ... and SIGTERM makes it save where it is and exit with 128 + SIGTERM.
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
-    assert proc.returncode == 0, out
+    assert proc.returncode == 143, out
     assert f"resumed at step {complete[-1]}," in out, out
     match = re.search(r"SIGTERM received; checkpoint saved at step (\d+)", out)
     assert match, out
@@ -166,3 +166,21 @@ def test_sigkill_resumes_from_last_complete_checkpoint_and_sigterm_saves(tmp_pat
     records = read_metrics(os.path.join(run_dir, "metrics.jsonl"))[0]
     assert records and all(np.isfinite(r["loss"]) for r in records)
     ckpt.close()
+
+
+def test_run_dir_is_locked_and_a_finished_run_writes_nothing(tmp_path, data_prefix, capsys):
+    from lwm_jax.train.run_lock import RunDirLock
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "train.steps=3", f"data.path={data_prefix}",
+                             f"run_dir={run_dir}"])
+    os.makedirs(run_dir)
+    with RunDirLock(str(run_dir)):       # another process holding the run dir
+        with pytest.raises(ValueError, match=r"run_dir: .* is in use by pid \d+ on .*; wait"):
+            train(cfg, progress=False)
+    first = train(cfg, progress=False)   # the lock was released: a stale lock never blocks
+    assert first.step == 3 and first.stopped_by is None
+    before = {p: os.path.getmtime(run_dir / p) for p in ("metrics.jsonl", "config.yaml")}
+    again = train(cfg, progress=False)
+    assert again.stopped_by == "complete" and again.step == 3 and again.state is None
+    assert "already complete (checkpoint at step 3 of 3); nothing to do" in capsys.readouterr().out
+    assert {p: os.path.getmtime(run_dir / p) for p in before} == before

@@ -28,6 +28,7 @@ from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
 from lwm_jax.train.guard import SkipWatch
+from lwm_jax.train.run_lock import RunDirLock
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
 from lwm_jax.train.optimizer import lr_schedule, make_optimizer
 from lwm_jax.train.params import count_params, split_model
@@ -40,13 +41,14 @@ from lwm_jax.train.step import TrainState, make_eval_step, make_train_step
 @dataclasses.dataclass
 class TrainResult:
     """What a `train` call ends with. `stopped_by`: signal name when a signal ended the run
-    early, or "non-finite" when `train.max_consecutive_skips` steps in a row were skipped;
+    early, "non-finite" when `train.max_consecutive_skips` steps in a row were skipped, or
+    "complete" when the run dir already held a finished run (nothing was done; `state` None);
     `diagnosis`: then, one line naming the first op that produced a non-finite value;
     `final_val_loss`: None without a validation split (or after a stop)."""
 
     run_dir: str
     step: int
-    state: TrainState
+    state: TrainState | None
     final_val_loss: float | None
     stopped_by: str | None
     diagnosis: str | None = None
@@ -118,10 +120,30 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     stop_after: run at most this many optimizer steps in this call, then checkpoint and return
       (the schedule still spans `train.steps`; calling again continues).
     """
-    t = cfg.train
     run_dir = cfg.resolved_run_dir
-    os.makedirs(run_dir, exist_ok=True)
+    try:
+        os.makedirs(run_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"run_dir: cannot create {run_dir} ({err.strerror}); choose a writable "
+                         "run_dir") from None
+    # One process per run dir; SIGTERM/SIGINT handlers from the start, so a preemption during
+    # set-up or compilation still ends in a clean stop (the loop sees the flag before step 1).
+    with RunDirLock(run_dir), StopRequest() as stop:
+        return _train_locked(cfg, run_dir, stop, progress, stop_after)
+
+
+def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: bool,
+                  stop_after: int | None) -> TrainResult:
+    t = cfg.train
     _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
+    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
+    latest = ckpt.latest_step()
+    if latest is not None and latest >= t.steps:
+        ckpt.close()
+        tqdm.write(f"lwm-jax train: run {cfg.name!r} in {run_dir} is already complete (checkpoint "
+                   f"at step {latest} of {t.steps}); nothing to do. Raise train.steps to train "
+                   "further, or choose a new run_dir")
+        return TrainResult(run_dir, latest, None, None, "complete")
     with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
         f.write(cfg.to_yaml())
     prog = build_program(cfg)
@@ -129,8 +151,6 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     abstract_state, state_sh = prog.abstract_state, prog.state_sh
 
     # Restore the newest complete checkpoint, or initialise.
-    ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
-    latest = ckpt.latest_step()
     if latest is None:
         state, data_state = prog.init_state(), None
     else:
@@ -175,39 +195,38 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     step, stopped_by, logged, diagnosis = start, None, None, None
     watch = SkipWatch(t.max_consecutive_skips,
                       getattr(state.loss_scale, "min_scale", None))
-    with StopRequest() as stop:
-        while step < end and stop.requested is None:
-            tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
-                                       vocab_size=V)
-            state, metrics = train_step(state, tokens)
-            step += 1
-            logger.advance()
-            if watch.push(step, metrics, tokens):
-                stopped_by = "non-finite"
-                break
-            if step == start + 1:             # the first step compiled: time from here on
-                jax.block_until_ready(metrics)
-                logger.reset_timer(step)
-            if step % t.log_every == 0 or step == end:
-                logger.log_train(step, metrics)
-                logged = step
-            if val is not None and t.eval_every > 0 and step % t.eval_every == 0:
-                val_loss, last_eval = evaluate(state.params), step
-                logger.log_eval(step, val_loss)
-                logger.reset_timer(step)          # tokens/s measures training steps only
-            if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
-                ckpt.save(step, state, sampler.state_dict())
-        if stopped_by is None and watch.flush():
+    while step < end and stop.requested is None:
+        tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
+                                   vocab_size=V)
+        state, metrics = train_step(state, tokens)
+        step += 1
+        logger.advance()
+        if watch.push(step, metrics, tokens):
             stopped_by = "non-finite"
-        stopped_by = stopped_by or stop.requested
-        if step > start and logged != step:        # stopped early by a signal or divergence
+            break
+        if step == start + 1:             # the first step compiled: time from here on
+            jax.block_until_ready(metrics)
+            logger.reset_timer(step)
+        if step % t.log_every == 0 or step == end:
             logger.log_train(step, metrics)
-        if stopped_by == "non-finite":
-            diagnosis = _diagnose(cfg, policy, state.params, watch, t.max_consecutive_skips)
-        # Final checkpoint (also on a stop signal); the signal handlers stay installed until
-        # it is on disk, so a second SIGTERM cannot interrupt the save.
-        ckpt.save(step, state, sampler.state_dict())
-        ckpt.close()
+            logged = step
+        if val is not None and t.eval_every > 0 and step % t.eval_every == 0:
+            val_loss, last_eval = evaluate(state.params), step
+            logger.log_eval(step, val_loss)
+            logger.reset_timer(step)          # tokens/s measures training steps only
+        if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
+            ckpt.save(step, state, sampler.state_dict())
+    if stopped_by is None and watch.flush():
+        stopped_by = "non-finite"
+    stopped_by = stopped_by or stop.requested
+    if step > start and logged != step:        # stopped early by a signal or divergence
+        logger.log_train(step, metrics)
+    if stopped_by == "non-finite":
+        diagnosis = _diagnose(cfg, policy, state.params, watch, t.max_consecutive_skips)
+    # Final checkpoint (also on a stop signal); the signal handlers stay installed until
+    # it is on disk, so a second SIGTERM cannot interrupt the save.
+    ckpt.save(step, state, sampler.state_dict())
+    ckpt.close()
 
     if val is not None and stopped_by is None and last_eval != step:
         val_loss = evaluate(state.params)
