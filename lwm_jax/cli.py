@@ -9,109 +9,228 @@
     lwm-jax eval --checkpoint ckpt/0.1b --data book.txt --lambada lambada.jsonl
 
 `train` takes dotted `key=value` overrides after the options (values are parsed as YAML).
-Bad input is reported as one line (`error: train.lrr: unknown key; valid keys: ...`) with exit
-status 2; set LWM_JAX_DEBUG=1 to get the Python traceback instead.
+Arguments are defined in `lwm_jax.cli_args` (light); only the chosen subcommand's module is
+imported. Every problem is reported as ONE line on stderr:
+
+  status 0  success
+  status 1  internal error (a bug): one line plus the path of a crash log holding the traceback
+  status 2  bad input or environment, e.g. `lwm-jax train: error: train.lrr: unknown key; ...`
+            (also argparse usage errors): a wrong value, a damaged file, a path that cannot be
+            written, a full disk, a missing optional dependency, a model too large for memory
+  status 3  non-finite result: training stopped on NaN/inf, or `eval` computed a NaN/inf loss
+  status 130 interrupted (Ctrl-C outside training; `train` handles signals itself)
+
+Set LWM_DEBUG=1 (or LWM_JAX_DEBUG=1) to get the Python traceback instead of the one line.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 
+from lwm_jax.cli_args import COMMANDS, DESCRIPTIONS, HelpFormatter
+from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
+                                one_line, quote_path)
 
-def _train(args: argparse.Namespace) -> int:
-    from lwm_jax.train.compile_cache import enable_compilation_cache
-    from lwm_jax.train.config import load_config
-    from lwm_jax.train.trainer import train
+DEBUG_VARS = ("LWM_DEBUG", "LWM_JAX_DEBUG")
+
+
+# ------------------------------------------------------------------------------------ train
+def train_main(args: argparse.Namespace) -> int:
+    """`lwm-jax train`: load + validate the config; check the run directories, the memory and
+    the data's recorded tokenizer before anything is allocated; then train. Returns the exit
+    status (3 when training diverged); raises ValueError (one line) for bad input."""
+    from lwm_jax.train.config import check_memory_on_devices, load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    _check_run_dirs(cfg)
+    check_memory_on_devices(cfg)
+    from lwm_jax.train.batches import check_tokenizer_record
+    for key, prefix in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
+        if prefix is not None:          # fail before the model is built (load_splits re-checks)
+            check_tokenizer_record(key, prefix, cfg.data.tokenizer, None)
+    from lwm_jax.train.compile_cache import enable_compilation_cache
+    from lwm_jax.train.trainer import train
+
     enable_compilation_cache()              # before the first compilation
     result = train(cfg, progress=not args.no_progress, stop_after=args.stop_after)
     if result.stopped_by == "non-finite":
-        print(f"lwm-jax train: error: {result.diagnosis}", file=sys.stderr)
+        print(f"lwm-jax train: error: {one_line(result.diagnosis, 2000)}", file=sys.stderr)
         return 3
-    if result.stopped_by == "complete":
-        return 0
-    if result.stopped_by in ("SIGINT", "SIGTERM"):   # the trainer said where it checkpointed
-        return 130 if result.stopped_by == "SIGINT" else 143
     val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
     print(f"lwm-jax train: step {result.step}, validation loss {val}, run dir {result.run_dir}")
     return 0
 
 
-def _prepare(args: argparse.Namespace) -> int:
-    from lwm_jax.data.prepare import run_prepare
-    return run_prepare(args)
+def _check_run_dirs(cfg) -> None:
+    """Refuse unusable run/checkpoint directories and a damaged saved `config.yaml` (which the
+    trainer compares against before resuming) with one line each."""
+    check_output_dir(cfg.resolved_run_dir, "run_dir")
+    check_output_dir(cfg.checkpoint_dir, "checkpoint.dir")
+    saved = os.path.join(cfg.resolved_run_dir, "config.yaml")
+    if os.path.isfile(saved) and os.path.isdir(cfg.checkpoint_dir):
+        doc = load_yaml_file(saved, f"run_dir: {saved}")
+        if not isinstance(doc, dict):
+            raise ValueError(f"run_dir: {saved} should hold the run's config mapping but holds a "
+                             f"{type(doc).__name__}; restore it or choose a new run_dir")
+
+
+# ----------------------------------------------------------------------------------- parser
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors on one line (`lwm-jax generate: error: ...; see --help`)
+    instead of the usage block plus the error; exit status 2 as usual."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+class _Entry:
+    """Imports `module` and calls `function(args)` only when the subcommand runs; an int result
+    is the exit status, anything else (None, ids, a results dict) means 0."""
+
+    def __init__(self, module: str, function: str):
+        self.module, self.function = module, function
+
+    def __call__(self, args: argparse.Namespace) -> int:
+        status = getattr(importlib.import_module(self.module), self.function)(args)
+        return status if isinstance(status, int) and not isinstance(status, bool) else 0
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from lwm_jax.data.prepare import add_prepare_args
-
-    parser = argparse.ArgumentParser(prog="lwm-jax", description="RWKV-7 in JAX: train, prepare, convert, export, generate, eval")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    tr = sub.add_parser("train", help="train (or resume) a model",
-                        description="Train an RWKV-7 model. With no --config: the tiny "
-                                    "byte-level model on the built-in corpus. Rerunning the "
-                                    "same command resumes from the newest checkpoint.")
-    tr.add_argument("--config", "-c", default=None, metavar="YAML",
-                    help="run config (default: the built-in tiny config, = configs/tiny.yaml)")
-    tr.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
-                    help="dotted overrides, e.g. train.lr=3e-4 model.n_layer=4 precision=bf16")
-    tr.add_argument("--stop-after", type=int, default=None, metavar="N",
-                    help="run at most N steps now, checkpoint and exit (resume later)")
-    tr.add_argument("--print-config", action="store_true",
-                    help="print the resolved config as YAML and exit")
-    tr.add_argument("--no-progress", action="store_true", help="no progress bar")
-    tr.set_defaults(func=_train)
-
-    pr = sub.add_parser("prepare", help="tokenise .txt/.jsonl files into a binidx dataset")
-    add_prepare_args(pr)
-    pr.set_defaults(func=_prepare)
-
-    # (name, help, module, add-arguments function, main function); imported lazily on use
-    for name, help_text, module, add_fn, main_fn in (
-        ("convert", "import an official .pth or FLA/HF checkpoint as an lwm_jax checkpoint",
-         "lwm_jax.interop.cli", "add_convert_args", "convert_main"),
-        ("export", "export a checkpoint to the official .pth or FLA/HF format",
-         "lwm_jax.interop.cli", "add_export_args", "export_main"),
-        ("generate", "sample text from a checkpoint (RNN-mode decoding)",
-         "lwm_jax.generate.cli", "add_generate_args", "generate_main"),
-        ("eval", "perplexity / bits-per-byte and LAMBADA-style accuracy",
-         "lwm_jax.eval.cli", "add_eval_args", "eval_main"),
-    ):
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=help_text, description=help_text)
-        getattr(mod, add_fn)(p)
-        p.set_defaults(func=_returns_zero(getattr(mod, main_fn)))
+    """The `lwm-jax` parser with every subcommand; imports no subcommand implementation."""
+    parser = Parser(
+        prog="lwm-jax", formatter_class=HelpFormatter,
+        description="RWKV-7 in JAX: train, prepare, convert, export, generate, eval",
+        epilog="Errors are one line on stderr: exit status 2 bad input, 3 non-finite result,\n"
+               "1 internal error (with a crash log). LWM_DEBUG=1 shows tracebacks.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, help_text, module, function, add_args in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=DESCRIPTIONS.get(name, help_text),
+                           formatter_class=HelpFormatter)
+        add_args(p)
+        p.set_defaults(func=_Entry(module, function))
     return parser
 
 
-def _returns_zero(main_fn):
-    """Adapt a subcommand main that returns a result (or None) to an exit status of 0."""
-    def run(args: argparse.Namespace) -> int:
-        main_fn(args)
-        return 0
-    return run
+# ----------------------------------------------------------------------------------- errors
+_OS_HINTS = {
+    errno.ENOSPC: "no space left on device; free some space or write somewhere else",
+    errno.EDQUOT: "disk quota exceeded; free some space or write somewhere else",
+    errno.EACCES: "permission denied; choose a location you may use or fix its permissions",
+    errno.EPERM: "operation not permitted; choose a location you may use or fix its "
+                 "permissions",
+    errno.EROFS: "read-only file system; choose a writable location",
+    errno.EISDIR: "is a directory, but a file is needed here; give a file name",
+    errno.ENOTDIR: "a part of this path is a file, not a directory; choose another path",
+    errno.EEXIST: "already exists; choose another path or remove it",
+    errno.ENOENT: "no such file or directory; check the path",
+    errno.ENAMETOOLONG: "file name too long; choose a shorter path",
+}
+
+
+def _clean(text: str) -> str:
+    """One line; drops the long JSON spec tensorstore appends to its messages."""
+    text = str(text)
+    cut = text.find("[tensorstore_spec=")
+    return one_line(text[:cut] if cut > 0 else text)
+
+
+def _os_message(err: OSError) -> str:
+    hint = _OS_HINTS.get(err.errno) or one_line(err.strerror or err, 200)
+    name = err.filename if err.filename is not None else None
+    return f"{quote_path(name)}: {hint}" if name is not None else hint
+
+
+def classify(err: BaseException) -> tuple[int, str] | None:
+    """`(exit status, one-line message)` for an error caused by the input or the environment;
+    None for an unexpected one (a bug: the caller writes a crash log)."""
+    text = str(err)
+    status = getattr(err, "exit_status", None)
+    if isinstance(status, int):
+        return status, _clean(text or type(err).__name__)
+    if isinstance(err, OSError):
+        return 2, _os_message(err)
+    if "No space left on device" in text:
+        return 2, f"{_clean(text)}; free some space or write somewhere else"
+    if "RESOURCE_EXHAUSTED" in text or isinstance(err, MemoryError):
+        return 2, (f"out of memory ({_clean(text or type(err).__name__)[:200]}); use a smaller "
+                   "model, batch_size or ctx_len")
+    if "Event loop is closed" in text:       # orbax's error path after a failed read/write
+        return 2, ("an orbax checkpoint could not be read or written (its directory may be "
+                   "damaged or incomplete); remove the damaged step directory or use another "
+                   "run_dir / checkpoint")
+    if isinstance(err, RecursionError):
+        return 2, "input nested too deeply for Python's recursion limit; flatten it"
+    if isinstance(err, ImportError):
+        return 2, _clean(text)
+    if isinstance(err, (ValueError, TypeError)) or type(err).__module__.startswith("yaml"):
+        return 2, _clean(text or type(err).__name__)
+    return None
+
+
+def write_crash_log(command: str, argv: list[str] | None, err: BaseException) -> str | None:
+    """Write the full traceback of `err` to a new file under the system temp dir (or the
+    working directory when that fails); returns its path, or None when nothing could be
+    written."""
+    import tempfile
+    import time
+    import traceback
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    head = (f"lwm-jax {command} crashed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            f"argv: {sys.argv[:1] + list(argv if argv is not None else sys.argv[1:])}\n"
+            f"python {sys.version.split()[0]}\n\n")
+    body = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    for folder in (tempfile.gettempdir(), os.getcwd()):
+        try:
+            fd, path = tempfile.mkstemp(prefix=f"lwm-jax-crash-{stamp}-", suffix=".log",
+                                        dir=folder)
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                f.write(head + body)
+            return path
+        except OSError:
+            continue
+    return None
+
+
+def _debug() -> bool:
+    return any(os.environ.get(v, "") not in ("", "0") for v in DEBUG_VARS)
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run `lwm-jax` with `argv` (default: `sys.argv[1:]`); returns the exit status (see the
+    module docstring). Usage errors raise SystemExit(2) from argparse."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "stop_after", None) is not None and args.stop_after < 1:
         parser.error(f"--stop-after: must be >= 1, got {args.stop_after}")
+    ignore_closed_event_loop_noise()
+    name = f"lwm-jax {args.command}"
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError) as e:
-        if os.environ.get("LWM_JAX_DEBUG"):
+    except KeyboardInterrupt:
+        if _debug():
             raise
-        print(f"lwm-jax {args.command}: error: {e}  (LWM_JAX_DEBUG=1 shows the traceback)",
-              file=sys.stderr)
-        return 2
+        print(f"{name}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:        # noqa: BLE001 -- every error becomes one line
+        if _debug():
+            raise
+        known = classify(err)
+        if known is not None:
+            status, message = known
+            print(f"{name}: error: {message}  (LWM_DEBUG=1 shows the traceback)",
+                  file=sys.stderr)
+            return status
+        log = write_crash_log(args.command, argv, err)
+        where = (f"full traceback in {log}" if log else "no crash log could be written")
+        print(f"{name}: internal error: {type(err).__name__}: {_clean(err)[:300]} ({where}; "
+              "LWM_DEBUG=1 prints it; please report this)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

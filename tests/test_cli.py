@@ -40,3 +40,9 @@ def test_missing_required_flag_exits_2(argv):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def test_light_argument_module_matches_the_implementations():
+    from lwm_jax import cli_args
+    from lwm_jax.interop import api
+    assert cli_args.FORMATS == api.FORMATS and cli_args.EXPORT_FORMATS == api.EXPORT_FORMATS

@@ -232,10 +232,12 @@ def test_cli_generate_greedy(tree, tmp_path, gen):
     args = p.parse_args(["--checkpoint", str(tmp_path / "ckpt"), "--prompt", "Hello", "--temperature",
                          "0", "--max-new-tokens", "6", "--no-stop-at-eod",
                          "--save-state", str(tmp_path / "st.safetensors")])
-    out = io.StringIO()
-    ids = generate_main(args, out=out)
+    out, err = io.StringIO(), io.StringIO()
+    ids = generate_main(args, out=out, err=err)
     want = gen.generate([list(b"Hello")], max_new_tokens=6, sampling=GREEDY)
     assert ids == want.tokens[0]
-    assert out.getvalue() == bytes(ids).decode("utf-8", errors="replace") + "\n"
+    # the prompt is echoed before the continuation; the speed summary goes to `err`
+    assert out.getvalue() == "Hello" + bytes(ids).decode("utf-8", errors="replace") + "\n"
+    assert "prompt 5 tokens, 6 new tokens" in err.getvalue() and "tokens/s" in err.getvalue()
     st = load_state(tmp_path / "st.safetensors", CFG)
     assert rel(st.wkv, want.state.wkv) < 1e-6

@@ -81,7 +81,7 @@ def test_yaml_round_trip(tmp_path, binidx_prefix):
 
 def test_run_name_defaults_to_file_stem(tmp_path):
     path = tmp_path / "my-run.yaml"
-    path.write_text("train:\n  steps: 5\n")
+    path.write_text("train:\n  steps: 5\n  warmup_steps: 2\n")
     cfg = load_config(str(path))
     assert cfg.name == "my-run" and cfg.resolved_run_dir == os.path.join("runs", "my-run")
     assert cfg.train.steps == 5 and cfg.model == RunConfig().model
@@ -89,9 +89,9 @@ def test_run_name_defaults_to_file_stem(tmp_path):
 
 @pytest.mark.parametrize("overrides, message", [
     (["train.lrr=1"], "train.lrr: unknown key; valid keys: batch_size, betas, ctx_len, eps, "
-                      "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, lr, "
-                      "max_consecutive_skips, min_lr, seed, steps, warmup_steps, "
-                      "weight_decay"),
+                      "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, "
+                      "loss_chunk, lr, max_consecutive_skips, min_lr, seed, steps, "
+                      "warmup_steps, weight_decay"),
     (["foo=1"], "foo: unknown key; valid keys: checkpoint, data, mesh, model, name, precision, "
                 "run_dir, train"),
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),

@@ -6,6 +6,10 @@ Input formats (by suffix; a directory means every .txt / .jsonl file under it, s
              lines are skipped; a malformed line is an error naming `file:line`.
 Each document is followed by the tokenizer's EOD id (0 for byte / World) when `append_eod`.
 Token dtype: uint16 when vocab_size <= 65536, else int32. Empty documents are skipped.
+
+Besides `<prefix>.bin` / `<prefix>.idx`, a small `<prefix>.tokenizer.json` records the tokenizer
+used (`read_tokenizer_record`); training refuses data whose record disagrees with
+`data.tokenizer`. The default tokenizer is "byte", matching the default (tiny) model.
 """
 from __future__ import annotations
 
@@ -18,10 +22,17 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
+from lwm_jax.cli_args import add_prepare_args  # re-exported (API)
 from lwm_jax.data.binidx import BinIdxWriter, token_dtype_for_vocab
-from lwm_jax.tokenizers import SPEC_HELP, Tokenizer, get_tokenizer
+from lwm_jax.tokenizers import Tokenizer, get_tokenizer
+from lwm_jax.user_input import check_output_file, quote_path, write_text
 
 SUFFIXES = (".txt", ".jsonl")
+DEFAULT_TOKENIZER = "byte"
+RECORD_SUFFIX = ".tokenizer.json"
+RECORD_FORMAT = "lwm_jax-tokenizer-record/1"
+__all__ = ["PrepareResult", "add_prepare_args", "binidx_prefix", "expand_inputs", "iter_documents",
+           "prepare", "read_tokenizer_record", "run_prepare"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,8 +101,13 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
     """Tokenises `inputs` into `<output_prefix>.bin/.idx` and returns counts.
 
     `tokenizer` is a `Tokenizer` or a spec string for `get_tokenizer` ("byte", "world", "hf:...").
+    On success `<output_prefix>.tokenizer.json` records it (see `read_tokenizer_record`).
+    Raises ValueError (one line) for bad input files or an output path that is a directory.
     """
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    prefix = binidx_prefix(output_prefix)
+    for suffix in (".bin", ".idx", RECORD_SUFFIX):
+        check_output_file(f"{prefix}{suffix}", "--output")
     files = expand_inputs(inputs)
     dtype = token_dtype_for_vocab(tok.vocab_size)
     total = sum(f.stat().st_size for f in files)
@@ -99,7 +115,8 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
     docs = skipped = 0
     bar = _progress(total, progress)
     try:
-        with BinIdxWriter(output_prefix, dtype, append_eod=append_eod, eod_id=tok.eod_id) as writer:
+        with _names_the_file(f"{prefix}.bin"), BinIdxWriter(
+                output_prefix, dtype, append_eod=append_eod, eod_id=tok.eod_id) as writer:
             for path in files:
                 for text, n_bytes in iter_documents(path, text_key):
                     if text:
@@ -114,7 +131,54 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
             n_tokens = writer.num_tokens
     finally:
         bar.close()
+    record = {"format": RECORD_FORMAT, "tokenizer": tok.name, "vocab_size": int(tok.vocab_size),
+              "eod_id": int(tok.eod_id), "append_eod": bool(append_eod), "documents": docs,
+              "tokens": int(n_tokens)}
+    write_text(f"{prefix}{RECORD_SUFFIX}", json.dumps(record, indent=2) + "\n")
     return PrepareResult(Path(output_prefix), docs, n_tokens, skipped, str(dtype))
+
+
+class _names_the_file:
+    """Attach `name` to an OSError raised without a file name (a full disk reports only
+    `[Errno 28] No space left on device` from a write)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, err, tb):
+        if isinstance(err, OSError) and err.filename is None and err.errno is not None:
+            raise OSError(err.errno, err.strerror, self.name) from None
+        return False
+
+
+def binidx_prefix(path: str | os.PathLike) -> str:
+    """`data/x.bin`, `data/x.idx` and `data/x` all name the binidx pair `data/x`."""
+    root, ext = os.path.splitext(os.fspath(path))
+    return root if ext in (".bin", ".idx") else os.fspath(path)
+
+
+def read_tokenizer_record(path: str | os.PathLike) -> dict | None:
+    """The record `prepare` wrote next to the binidx pair `path` (prefix, .bin or .idx):
+    `{"tokenizer": spec, "vocab_size": int, "eod_id": int, ...}`, or None when there is none
+    (data prepared elsewhere). Raises ValueError (one line naming the file) when it is damaged.
+    """
+    file = Path(binidx_prefix(path) + RECORD_SUFFIX)
+    if not file.is_file():
+        return None
+    fix = "delete it (the check is skipped) or re-run lwm-jax prepare"
+    try:
+        doc = json.loads(file.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as err:
+        raise ValueError(f"{quote_path(file)}: damaged tokenizer record ({type(err).__name__}); "
+                         f"{fix}") from None
+    if not isinstance(doc, dict) or not isinstance(doc.get("tokenizer"), str) or not (
+            doc.get("vocab_size") is None or isinstance(doc["vocab_size"], int)):
+        raise ValueError(f"{quote_path(file)}: damaged tokenizer record (expected an object with "
+                         f"a string 'tokenizer' and an integer 'vocab_size'); {fix}")
+    return doc
 
 
 def _progress(total: int, enabled: bool):
@@ -122,24 +186,12 @@ def _progress(total: int, enabled: bool):
     return tqdm(total=total, unit="B", unit_scale=True, desc="prepare", disable=not enabled)
 
 
-def add_prepare_args(parser: argparse.ArgumentParser) -> None:
-    """Adds the `prepare` subcommand's options to `parser`."""
-    parser.add_argument("--input", "-i", nargs="+", action="extend", required=True, metavar="PATH",
-                        help=".txt (one document per file) or .jsonl (one per line) files or directories")
-    parser.add_argument("--output", "-o", required=True, metavar="PREFIX",
-                        help="output prefix; writes PREFIX.bin and PREFIX.idx")
-    parser.add_argument("--tokenizer", default="world", help=SPEC_HELP)
-    parser.add_argument("--text-key", default="text", help="field of each .jsonl object holding the text")
-    parser.add_argument("--eod-token", default=None, help="hf: tokenizers only: end-of-document token text")
-    parser.add_argument("--no-eod", action="store_true", help="do not append the EOD token to documents")
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
-
-
 def run_prepare(args: argparse.Namespace) -> int:
     """Runs `prepare` from parsed `add_prepare_args` options; prints a summary; returns 0."""
     tok = get_tokenizer(args.tokenizer, eod_token=args.eod_token)
     res = prepare(args.input, args.output, tok, text_key=args.text_key, append_eod=not args.no_eod,
                   progress=not args.quiet)
-    print(f"wrote {res.prefix}.bin/.idx: {res.documents} documents, {res.tokens} tokens ({res.dtype}), "
-          f"{res.skipped_empty} empty documents skipped, tokenizer {tok.name}")
+    print(f"wrote {res.prefix}.bin/.idx/{RECORD_SUFFIX[1:]}: {res.documents} documents, "
+          f"{res.tokens} tokens ({res.dtype}), {res.skipped_empty} empty documents skipped, "
+          f"tokenizer {tok.name}")
     return 0

@@ -4,37 +4,47 @@
     lwm-jax eval --checkpoint DIR --data data/minipile_text_document      # binidx prefix
     lwm-jax eval --checkpoint DIR --lambada lambada_test.jsonl [--max-examples N]
 
-Prints one JSON object per task (also written to `--output FILE` when given).
+Prints ONE JSON object `{"perplexity": {...}, "lambada": {...}}` (the tasks run) to stdout, and
+writes the identical text to `--output FILE` when given. A NaN/inf result is not printed: it is
+a one-line `NonFiniteError` (exit status 3), since a NaN loss means a broken model or precision.
+Arguments: `lwm_jax.cli_args.add_eval_args`.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
-from lwm_jax.generate.cli import add_model_args, load_model_and_tokenizer
+from lwm_jax.cli_args import add_eval_args  # re-exported (API)
+from lwm_jax.user_input import NonFiniteError, check_output_file, write_text
 
 
-def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_model_args(p)
-    p.add_argument("--data", help="text file, or binidx prefix / .bin / .idx, for perplexity")
-    p.add_argument("--lambada", help="JSONL file of {\"text\": ...} for last-word accuracy")
-    p.add_argument("--ctx-len", type=int, default=1024, help="tokens per scoring window")
-    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
-    p.add_argument("--max-examples", type=int, default=None, help="LAMBADA examples to use")
-    p.add_argument("--batch-size", type=int, default=8, help="LAMBADA batch size")
-    p.add_argument("--output", help="also write the results as JSON to this file")
-    return p
+def _check_finite(task: str, data: str, metrics: dict) -> None:
+    for key, value in metrics.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            shown = "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+            raise NonFiniteError(
+                f"{task} {key} is {shown} on {data!r}: the model's outputs are not finite; the "
+                "checkpoint is broken or the precision too narrow (try --precision fp32)")
 
 
 def eval_main(args: argparse.Namespace, out=None) -> dict:
-    """Run the requested evaluations; returns `{"perplexity": {...}, "lambada": {...}}`."""
+    """Run the requested evaluations; returns `{"perplexity": {...}, "lambada": {...}}`, the
+    object printed to `out` (default stdout) and written to `--output`.
+
+    Raises ValueError (one line) for missing tasks, bad paths or inputs, and NonFiniteError
+    (a ValueError, exit status 3 in the CLI) when a metric is NaN/inf.
+    """
     from lwm_jax.eval.lambada import encode_examples, last_word_accuracy, read_jsonl
     from lwm_jax.eval.perplexity import evaluate_stream, load_stream
     from lwm_jax.eval.scoring import Scorer
+    from lwm_jax.generate.cli import load_model_and_tokenizer
     out = out or sys.stdout
     if not args.data and not args.lambada:
         raise ValueError("eval: give --data (perplexity) and/or --lambada (last-word accuracy)")
+    if args.output:
+        check_output_file(args.output, "--output")
     model, cfg, tok = load_model_and_tokenizer(args)
     scorer = Scorer(model)
     results: dict = {}
@@ -42,16 +52,20 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
         stream = load_stream(args.data, tok)
         res = evaluate_stream(scorer, stream, tok, ctx_len=args.ctx_len,
                               max_tokens=args.max_tokens, eod_id=tok.eod_id)
-        results["perplexity"] = {"data": args.data, **res.to_dict()}
-        out.write(json.dumps({"task": "perplexity", **results["perplexity"]}) + "\n")
+        metrics = res.to_dict()
+        _check_finite("perplexity", args.data, metrics)
+        results["perplexity"] = {"data": args.data, **metrics}
     if args.lambada:
         examples = encode_examples(tok, read_jsonl(args.lambada, args.max_examples))
         res = last_word_accuracy(scorer, examples, batch_size=args.batch_size)
-        results["lambada"] = {"data": args.lambada, **res.to_dict()}
-        out.write(json.dumps({"task": "lambada", **results["lambada"]}) + "\n")
+        metrics = res.to_dict()
+        _check_finite("lambada", args.lambada, metrics)
+        results["lambada"] = {"data": args.lambada, **metrics}
+    text = json.dumps(results, indent=2, allow_nan=False) + "\n"
+    out.write(text)
+    out.flush()
     if args.output:
-        with open(args.output, "w", encoding="utf-8") as f:
-            json.dump(results, f, indent=2)
+        write_text(args.output, text)
     return results
 
 

@@ -35,7 +35,11 @@ class LambadaResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(float(np.mean(self.target_nats)))
+        """exp(mean target nats); inf when that overflows a float."""
+        try:
+            return math.exp(float(np.mean(self.target_nats)))
+        except OverflowError:
+            return math.inf
 
     def to_dict(self) -> dict:
         return {"n": self.n, "n_correct": self.n_correct, "accuracy": self.accuracy,
@@ -52,10 +56,19 @@ def split_last_word(text: str) -> tuple[str, str]:
 
 
 def read_jsonl(path: str | os.PathLike, max_examples: int | None = None) -> list[str]:
-    """The `"text"` field of each non-empty line of a JSONL file."""
+    """The `"text"` field of each non-empty line of a JSONL file (at most `max_examples`).
+
+    Raises ValueError naming `file:line` for a line that is not UTF-8, not JSON or has no string
+    `"text"`, and for a file without examples; OSError when it cannot be opened.
+    """
     texts: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise ValueError(f"{os.fspath(path)}:{lineno}: not UTF-8 text (byte {err.start} "
+                                 "of the line)") from None
             if not line.strip():
                 continue
             try:

@@ -39,7 +39,8 @@ class PerplexityResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss)
+        """exp(loss); inf when that overflows a float."""
+        return _exp(self.loss)
 
     @property
     def bits_per_token(self) -> float:
@@ -53,6 +54,13 @@ class PerplexityResult:
         return {"n_tokens": self.n_tokens, "n_bytes": self.n_bytes, "loss": self.loss,
                 "perplexity": self.perplexity, "bits_per_token": self.bits_per_token,
                 "bits_per_byte": self.bits_per_byte}
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 def stream_nll(scorer: Scorer, tokens, ctx_len: int = 1024) -> np.ndarray:
@@ -94,7 +102,8 @@ def count_bytes(tokenizer, predicted, eod_id: int) -> int:
 def load_stream(path: str | os.PathLike, tokenizer=None) -> np.ndarray:
     """Token stream of a binidx dataset (`prefix`, `.bin` or `.idx`) or of a UTF-8 text file.
 
-    Text files need `tokenizer`; binidx files are read as stored.
+    Text files need `tokenizer`; binidx files are read as stored. Raises ValueError (one line
+    naming the path) for a missing or non-UTF-8 file.
     """
     from lwm_jax.data.binidx import BinIdxDataset
     p = Path(path)
@@ -108,7 +117,12 @@ def load_stream(path: str | os.PathLike, tokenizer=None) -> np.ndarray:
                          "(expected PREFIX.bin + PREFIX.idx)")
     if tokenizer is None:
         raise ValueError("tokenizer: a text file needs a tokenizer (e.g. --tokenizer world)")
-    return np.asarray(tokenizer.encode(p.read_text(encoding="utf-8")), np.int64)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"data: {str(p)!r} is not UTF-8 text (byte {err.start}); give a UTF-8 "
+                         "text file or a binidx prefix") from None
+    return np.asarray(tokenizer.encode(text), np.int64)
 
 
 def evaluate_stream(scorer: Scorer, stream, tokenizer=None, ctx_len: int = 1024,

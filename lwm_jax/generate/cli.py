@@ -1,9 +1,11 @@
-"""`lwm-jax generate`: argparse setup and entry point (wired into `lwm_jax.cli` by the lead).
+"""`lwm-jax generate`: entry point (arguments: `lwm_jax.cli_args.add_generate_args`).
 
     lwm-jax generate --checkpoint DIR_OR_PTH --prompt "The Eiffel tower is in" \
         [--max-new-tokens 100] [--temperature 1.0] [--top-p 0.85] [--top-k 0] [--seed 0]
 
-Text streams to stdout as tokens arrive (multi-byte characters are printed once complete).
+The prompt is echoed, then the continuation streams to stdout as tokens arrive (multi-byte
+characters are printed once complete; `--no-echo` prints only the continuation). A summary
+with tokens/s goes to stderr at the end, so stdout holds only text.
 `--save-state FILE` stores the state after the prompt and the generated text (with
 `--max-new-tokens 0`: the prompt's state); `--load-state FILE` starts from such a state.
 """
@@ -11,27 +13,21 @@ from __future__ import annotations
 
 import argparse
 import codecs
+import os
 import sys
+import time
 
-from lwm_jax.generate.sampling import SamplingParams
+from lwm_jax.cli_args import add_generate_args, add_model_args  # re-exported (API)
+from lwm_jax.user_input import quote_path
 
 DEFAULT_TOKENIZER = {256: "byte", 65536: "world"}
-
-
-def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--checkpoint / --format / --tokenizer / --precision (shared with `lwm-jax eval`)."""
-    p.add_argument("--checkpoint", required=True,
-                   help="our converted directory, an official .pth file or an HF directory")
-    p.add_argument("--format", default=None, choices=("rwkv-pth", "hf", "lwm", "run"),
-                   help="checkpoint format (default: detected from the path)")
-    p.add_argument("--tokenizer", default=None,
-                   help="byte | world | world:/path/vocab.txt | hf:/path/tokenizer.json "
-                        "(default: byte for vocab 256, world for vocab 65536)")
-    p.add_argument("--precision", default="fp32", help="precision policy (fp32, bf16, ...)")
+__all__ = ["add_model_args", "add_generate_args", "load_model_and_tokenizer", "generate_main",
+           "DEFAULT_TOKENIZER"]
 
 
 def load_model_and_tokenizer(args: argparse.Namespace):
-    """`(model, cfg, tokenizer)` from the arguments of `add_model_args`."""
+    """`(model, cfg, tokenizer)` from the arguments of `add_model_args`; raises what
+    `load_pretrained` raises, and ValueError when the tokenizer does not fit the model."""
     from lwm_jax.interop import load_pretrained
     from lwm_jax.tokenizers import get_tokenizer
     model, cfg = load_pretrained(args.checkpoint, format=args.format, policy=args.precision)
@@ -44,32 +40,6 @@ def load_model_and_tokenizer(args: argparse.Namespace):
         raise ValueError(f"--tokenizer: {spec!r} has {tok.vocab_size} ids but the model only "
                          f"{cfg.vocab_size}")
     return model, cfg, tok
-
-
-def add_generate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    add_model_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
-    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--repetition-penalty", type=float, default=1.0)
-    p.add_argument("--presence-penalty", type=float, default=0.0)
-    p.add_argument("--frequency-penalty", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--stop-token", type=int, action="append", default=[],
-                   help="token id that ends generation (repeatable)")
-    p.add_argument("--no-stop-at-eod", action="store_true",
-                   help="do not stop at the tokenizer's end-of-document id")
-    p.add_argument("--prefill-chunk", type=int, default=256)
-    p.add_argument("--decode-block", type=int, default=16,
-                   help="decode steps per compiled call (one host sync each; text is streamed "
-                        "in bursts of up to this many tokens)")
-    p.add_argument("--load-state", help="start from a state saved with --save-state")
-    p.add_argument("--save-state", help="save the final state (.safetensors)")
-    return p
 
 
 class _TextStream:
@@ -91,32 +61,78 @@ class _TextStream:
         self.out.flush()
 
 
-def generate_main(args: argparse.Namespace, out=None) -> list[int]:
-    """Run `lwm-jax generate`; returns the generated ids (text goes to `out`, default stdout)."""
+def _read_prompt(args: argparse.Namespace) -> str:
+    if not args.prompt_file:
+        return args.prompt
+    try:
+        with open(args.prompt_file, encoding="utf-8") as f:
+            return f.read()
+    except UnicodeDecodeError as err:
+        raise ValueError(f"--prompt-file: {quote_path(args.prompt_file)} is not UTF-8 text "
+                         f"(byte {err.start}); save it as UTF-8") from None
+
+
+def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
+    """Run `lwm-jax generate`; returns the generated ids.
+
+    The prompt (unless `--no-echo`) and the generated text go to `out` (default stdout), a
+    one-line summary with tokens/s to `err` (default stderr). Paths and sampling settings are
+    checked before the model is loaded; every problem is a one-line ValueError (see
+    `load_model_and_tokenizer`, `state_io.load_state`).
+    """
     from lwm_jax.generate.engine import Generator
-    from lwm_jax.generate.state_io import load_state, save_state
+    from lwm_jax.generate.sampling import SamplingParams
+    from lwm_jax.generate.state_io import check_state_target, load_state, save_state
     out = out or sys.stdout
+    err = err or sys.stderr
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
+    if args.save_state:
+        check_state_target(args.save_state, "--save-state")
+    if args.load_state and not os.path.isfile(args.load_state):
+        raise ValueError(f"--load-state: {quote_path(args.load_state)}: no such file")
+    text = _read_prompt(args)
     model, cfg, tok = load_model_and_tokenizer(args)
-    if args.prompt_file:
-        with open(args.prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    else:
-        text = args.prompt
     ids = tok.encode(text)
     if not ids:
         raise ValueError("--prompt: empty after tokenization; give some text")
     stops = list(args.stop_token) + ([] if args.no_stop_at_eod else [tok.eod_id])
     initial = load_state(args.load_state, cfg) if args.load_state else None
     gen = Generator(model, prefill_chunk=args.prefill_chunk, decode_block=args.decode_block)
+    stream = _TextStream(tok, out)
+    first: list[float] = []
+
+    def on_token(row: int, token: int) -> None:
+        if not first:
+            first.append(time.perf_counter())
+        stream(row, token)
+
+    if not args.no_echo:
+        out.write(text)
+        out.flush()
+    start = time.perf_counter()
     result = gen.generate([ids], args.max_new_tokens, sampling, stop_tokens=stops,
-                          seed=args.seed, initial_state=initial,
-                          on_token=_TextStream(tok, out))
+                          seed=args.seed, initial_state=initial, on_token=on_token)
+    elapsed = time.perf_counter() - start
     out.write("\n")
+    out.flush()
     if args.save_state:
         save_state(args.save_state, result.state, cfg, n_tokens=[len(ids) + len(result.tokens[0])])
+    err.write(_summary(len(ids), len(result.tokens[0]), elapsed,
+                       first[0] - start if first else None, result.finish_reasons[0]) + "\n")
     return result.tokens[0]
+
+
+def _summary(n_prompt: int, n_new: int, elapsed: float, to_first: float | None,
+             reason: str) -> str:
+    """One line: prompt and new token counts, tokens/s over the whole call, and the wait for the
+    first token (it includes compilation; tokens then arrive in blocks of --decode-block)."""
+    rate = n_new / elapsed if elapsed > 0 else 0.0
+    line = (f"[generate] prompt {n_prompt} tokens, {n_new} new tokens in {elapsed:.2f} s: "
+            f"{rate:.1f} tokens/s")
+    if to_first is not None:
+        line += f" (first token after {to_first:.2f} s, including compilation)"
+    return line + f"; stopped by {reason}]"
 
 
 def main(argv=None) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 from lwm_jax.config import ModelConfig
 from lwm_jax.interop import hf, native, params, rwkv_pth
 from lwm_jax.precision import Policy
+from lwm_jax.user_input import check_output_dir, check_output_file
 
 FORMATS = ("rwkv-pth", "hf", "lwm", "run")
 EXPORT_FORMATS = ("rwkv-pth", "hf")
@@ -45,7 +46,12 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[ModelConfig, dict]:
-    """Read any supported checkpoint -> `(ModelConfig, params tree of float32 NumPy arrays)`."""
+    """Read any supported checkpoint -> `(ModelConfig, params tree of float32 NumPy arrays)`.
+
+    Raises ValueError (one line naming the file, field or tensor) for an unknown format, a
+    damaged file, a config that disagrees with the weights, and a tensor holding NaN/inf (a
+    checkpoint is never loaded with non-finite weights); ImportError for a .pth without torch.
+    """
     fmt = format or detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {FORMATS}")
@@ -54,7 +60,7 @@ def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[Mod
     if fmt == "hf":
         return hf.read_hf(path)
     if fmt == "lwm":
-        return native.load_native(path)
+        return native.load_native(path)        # restore_params checks finiteness
     from lwm_jax.interop import run_ckpt
     return run_ckpt.read_run_params(path)
 
@@ -64,7 +70,8 @@ def load_pretrained(path: str | os.PathLike, format: str | None = None,
     """Load a checkpoint into an `RWKV7` model -> `(model, ModelConfig)`.
 
     `runtime` may override `wkv_impl`, `chunk_size`, `remat`, `scan_layers` (they do not change
-    the weights). The returned config is the one the model was built with.
+    the weights). The returned config is the one the model was built with. Raises what
+    `read_params` raises, and TypeError for an unknown keyword.
     """
     bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad:
@@ -77,7 +84,12 @@ def load_pretrained(path: str | os.PathLike, format: str | None = None,
 
 def convert(input: str | os.PathLike, output_dir: str | os.PathLike,
             format: str | None = None) -> Path:
-    """Convert an official `.pth` / HF directory into our `config.yaml` + orbax directory."""
+    """Convert an official `.pth` / HF directory into our `config.yaml` + orbax directory.
+
+    The output directory is checked first (`native.check_target`), then the input is read
+    (`read_params`); both raise one-line ValueErrors.
+    """
+    native.check_target(output_dir)
     cfg, tree = read_params(input, format)
     return native.save_native(cfg, tree, output_dir, source=os.fspath(input))
 
@@ -100,15 +112,24 @@ def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
     format "rwkv-pth": `output` is the `.pth` file; dtype "bf16" (default, as released) or "f32".
     format "hf": `output` is a directory; dtype "f32" (default) or "bf16"; `max_shard_bytes`
     splits the weights into shards with a `model.safetensors.index.json`.
+    The output path and (for rwkv-pth) the torch install are checked before anything is read;
+    every problem is a one-line ValueError (ImportError when torch is missing).
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"format: {format!r} is not one of {EXPORT_FORMATS}")
-    cfg, tree = _params_of(model_or_dir, input_format)
     out = Path(output)
     if format == "rwkv-pth":
+        from lwm_jax.interop.torch_io import require_torch
+        require_torch("export --format rwkv-pth")
+        check_output_file(out, "output")
+        check_output_dir(out.parent, "output")      # the directory the file goes into
         if out.suffix != ".pth":
             raise ValueError(f"output: {str(out)!r} must be a file name ending in .pth "
                              "(the rwkv package appends .pth to the name it is given)")
+    else:
+        check_output_dir(out, "output")
+    cfg, tree = _params_of(model_or_dir, input_format)
+    if format == "rwkv-pth":
         out.parent.mkdir(parents=True, exist_ok=True)
         rwkv_pth.save_pth(cfg, tree, out, dtype=dtype or "bf16")
     else:

@@ -8,7 +8,9 @@ LoRA has no bias), layer 0 has no `v_lora`, and `ffn.x_k`, `k_k`, `k_a` are flat
 Reading takes the weights from `model.safetensors`, a sharded set listed in
 `model.safetensors.index.json`, or any `*.safetensors` in the directory. Sizes come from tensor
 shapes; `config.json` is checked against them (a mismatch is an error, not a guess).
-Safetensors are read with NumPy (bf16 via ml_dtypes): no torch needed.
+Safetensors are read with NumPy (bf16 via ml_dtypes): no torch needed. A truncated or garbled
+file, a `config.json` that is not a JSON object or has a field of the wrong type, and complex or
+non-finite tensors are one-line `ValueError`s naming the file, field or tensor.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import numpy as np
 from lwm_jax.config import ModelConfig
 from lwm_jax.interop import layout
 from lwm_jax.interop.rwkv_pth import gather_params, scatter_params
+from lwm_jax.user_input import check_output_dir, one_line, quote_path, short
 
 CONFIG = "config.json"
 INDEX = "model.safetensors.index.json"
@@ -30,11 +33,55 @@ SINGLE = "model.safetensors"
 HF_DTYPES = {"f32": (np.float32, "float32"), "bf16": (ml_dtypes.bfloat16, "bfloat16")}
 
 
-def _read_tensors(root: Path) -> dict[str, np.ndarray]:
+_JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+               int: "a number", float: "a number", type(None): "null"}
+
+
+def _json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def read_json(file: Path, fix: str):
+    """Parse a JSON file; ValueError (one line naming `file`, ending in `fix`) when it is not
+    UTF-8, not JSON or nested absurdly deep."""
+    try:
+        return json.loads(file.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{quote_path(file)}: not valid JSON ({err.msg} at line {err.lineno}, "
+                         f"column {err.colno}); {fix}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{quote_path(file)}: not UTF-8 text (byte {err.start}); {fix}") from None
+    except RecursionError:
+        raise ValueError(f"{quote_path(file)}: JSON nested too deeply; {fix}") from None
+
+
+def safetensors_arrays(file: Path, fix: str) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file as NumPy; ValueError (one line naming the file,
+    ending in `fix`) when it is truncated, garbled or unreadable."""
     from safetensors import safe_open
-    if (root / INDEX).is_file():
-        weight_map = json.loads((root / INDEX).read_text())["weight_map"]
+    try:
+        with safe_open(str(file), framework="np") as f:
+            return {key: f.get_tensor(key) for key in f.keys()}
+    except Exception as err:    # SafetensorError, OSError, ... for a damaged file
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ValueError(f"{quote_path(file)}: not a readable safetensors file "
+                         f"({one_line(first, 160)}); {fix}") from None
+
+
+def _read_tensors(root: Path) -> dict[str, np.ndarray]:
+    fix = "re-download or re-export the checkpoint"
+    index = root / INDEX
+    if index.is_file():
+        doc = read_json(index, fix)
+        weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+        if not isinstance(weight_map, dict) or not all(
+                isinstance(v, str) and v and Path(v).name == v for v in weight_map.values()):
+            raise ValueError(f"{quote_path(index)}: expected an object whose 'weight_map' maps "
+                             f"tensor names to file names in the same directory; {fix}")
         files = sorted(set(weight_map.values()))
+        for name in files:
+            if not (root / name).is_file():
+                raise ValueError(f"{quote_path(root / name)}: listed in {INDEX} but missing; {fix}")
     elif (root / SINGLE).is_file():
         files = [SINGLE]
     else:
@@ -43,10 +90,51 @@ def _read_tensors(root: Path) -> dict[str, np.ndarray]:
         raise ValueError(f"checkpoint {str(root)!r}: no *.safetensors weights next to config.json")
     out: dict[str, np.ndarray] = {}
     for name in files:
-        with safe_open(str(root / name), framework="np") as f:
-            for key in f.keys():
-                out[key] = np.asarray(f.get_tensor(key), dtype=np.float32)
+        for key, arr in safetensors_arrays(root / name, fix).items():
+            if arr.dtype.kind == "c":
+                raise ValueError(f"{quote_path(root / name)}: tensor {key!r} is complex "
+                                 f"({arr.dtype}); RWKV weights are real and the imaginary part "
+                                 "would be lost")
+            out[key] = np.asarray(arr, dtype=np.float32)
     return out
+
+
+# config.json fields read here and the JSON types they must have
+_INT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "head_dim")
+_BOOL_FIELDS = ("tie_word_embeddings", "norm_bias")
+_STR_FIELDS = ("model_type", "hidden_act")
+
+
+def read_hf_config(file: Path) -> dict:
+    """`config.json` as a dict whose fields read here have the right JSON types; ValueError
+    (one line naming the file and field) otherwise."""
+    fix = "fix config.json or re-download the checkpoint"
+    doc = read_json(file, fix)
+    if not isinstance(doc, dict):
+        raise ValueError(f"{quote_path(file)}: expected a JSON object of model settings, got "
+                         f"{_json_type(doc)}; is this a Hugging Face config.json?")
+
+    def wrong(field, expected):
+        value = doc[field]
+        raise ValueError(f"{quote_path(file)}: field {field!r} is {_json_type(value)} "
+                         f"({short(value)}), expected {expected}; {fix}")
+
+    for field in _INT_FIELDS:
+        value = doc.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            wrong(field, "an integer")
+    for field in _BOOL_FIELDS:
+        if doc.get(field) is not None and not isinstance(doc[field], bool):
+            wrong(field, "true or false")
+    for field in _STR_FIELDS:
+        if doc.get(field) is not None and not isinstance(doc[field], str):
+            wrong(field, "a string")
+    vd = doc.get("value_dim")
+    if vd is not None:
+        items = vd if isinstance(vd, list) else [vd]
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in items):
+            wrong("value_dim", "an integer or a list of integers")
+    return doc
 
 
 def _normalise(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> dict[str, np.ndarray]:
@@ -67,7 +155,7 @@ def _normalise(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> dict[str,
 def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> ModelConfig:
     """`ModelConfig` from tensor shapes, cross-checked with `config.json`."""
     if hf_cfg.get("model_type") != "rwkv7":
-        raise ValueError(f"{where}: config.json model_type is {hf_cfg.get('model_type')!r}, "
+        raise ValueError(f"{where}: config.json model_type is {short(hf_cfg.get('model_type'))}, "
                          "expected 'rwkv7'")
     def need(name):
         if name not in sd:
@@ -93,11 +181,12 @@ def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> Model
     checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": N}
     for key, value in checks.items():
         if hf_cfg.get(key) is not None and int(hf_cfg[key]) != int(value):
-            raise ValueError(f"{where}: config.json {key}={hf_cfg[key]} but the weights say {value}")
+            raise ValueError(f"{where}: config.json {key}={short(hf_cfg[key])} but the weights "
+                             f"say {value}")
     vd = hf_cfg.get("value_dim")
     if vd is not None and any(int(x) != C for x in (vd if isinstance(vd, list) else [vd])):
-        raise ValueError(f"{where}: config.json value_dim={vd}; only value_dim == hidden_size "
-                         "is supported")
+        raise ValueError(f"{where}: config.json value_dim={short(vd)}; only value_dim == "
+                         "hidden_size is supported")
     if hf_cfg.get("hidden_act", "sqrelu") != "sqrelu" or hf_cfg.get("attn"):
         raise ValueError(f"{where}: config.json hidden_act/attn describe a variant "
                          "(non-sqrelu or hybrid attention) that is not supported")
@@ -105,12 +194,17 @@ def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> Model
 
 
 def read_hf(root: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """Read an FLA/HF RWKV-7 directory -> `(cfg, params tree)` (float32 leaves)."""
+    """Read an FLA/HF RWKV-7 directory -> `(cfg, params tree)` (float32 leaves).
+
+    Raises ValueError (one line) for a missing/garbled `config.json` or weight file, a config
+    field of the wrong type or disagreeing with the weights, and a missing, unexpected,
+    misshapen, complex or non-finite tensor.
+    """
     root = Path(root)
     where = f"checkpoint {str(root)!r}"
     if not (root / CONFIG).is_file():
         raise ValueError(f"{where}: no config.json; expected a Hugging Face model directory")
-    hf_cfg = json.loads((root / CONFIG).read_text())
+    hf_cfg = read_hf_config(root / CONFIG)
     sd = _normalise(_read_tensors(root), hf_cfg, where)
     cfg = config_from_hf(sd, hf_cfg, where)
     return cfg, gather_params(sd, cfg, layout.HF_TOP, layout.HF_BLOCK, "model.layers.{i}.",
@@ -136,10 +230,15 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
 
 def write_hf(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, dtype: str = "f32",
              max_shard_bytes: int | None = None) -> None:
-    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_bytes`)."""
+    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_bytes`).
+
+    Raises ValueError (one line) for a bad dtype or an `out_dir` that is a file or cannot be
+    written.
+    """
     from safetensors.numpy import save_file
     if dtype not in HF_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {tuple(HF_DTYPES)}")
+    check_output_dir(out_dir, "output")
     np_dtype = HF_DTYPES[dtype][0]
     tensors = scatter_params(cfg, tree, layout.HF_TOP, layout.HF_BLOCK, "model.layers.{i}.",
                              layout.HF_LAYER0_ABSENT)

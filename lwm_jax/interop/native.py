@@ -19,6 +19,8 @@ import yaml
 
 from lwm_jax.config import ModelConfig
 from lwm_jax.interop import params
+from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
+                                one_line, quote_path)
 
 FORMAT = "lwm_jax-params/1"
 CONFIG = "config.yaml"
@@ -30,23 +32,49 @@ def is_native(path: str | os.PathLike) -> bool:
     return (p / CONFIG).is_file() and (p / PARAMS).is_dir()
 
 
+def model_config_from(doc: dict, file: Path) -> ModelConfig:
+    """`ModelConfig` from the `model:` mapping of a loaded YAML file; ValueError (one line
+    naming `file`) for a missing section, an unknown key or an invalid value."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
+        raise ValueError(f"{file}: expected a mapping with a 'model:' section of model sizes; "
+                         "restore the file or re-create the checkpoint")
+    try:
+        return ModelConfig.from_dict(doc["model"], where=f"{file}: model")
+    except (ValueError, TypeError) as err:
+        text = str(err)
+        raise ValueError(text if text.startswith(str(file)) else f"{file}: {text}") from None
+
+
 def read_config(path: str | os.PathLike) -> ModelConfig:
-    """The `ModelConfig` stored in `<path>/config.yaml`."""
+    """The `ModelConfig` stored in `<path>/config.yaml`; ValueError (one line naming the file)
+    for bad or refused YAML (`lwm_jax.user_input.load_yaml`) or an invalid model section."""
     file = Path(path) / CONFIG
-    doc = yaml.safe_load(file.read_text())
-    if not isinstance(doc, dict) or "model" not in doc:
-        raise ValueError(f"{file}: expected a mapping with a 'model:' section")
-    return ModelConfig.from_dict(doc["model"], where=f"{file}: model")
+    return model_config_from(load_yaml_file(file), file)
+
+
+def restore_failed(ckpt_dir: str | os.PathLike, err: Exception) -> ValueError:
+    """The one-line error for an orbax restore of `ckpt_dir` that raised `err` (also silences
+    the 'Event loop is closed' noise orbax's threads print after such a failure)."""
+    ignore_closed_event_loop_noise()
+    text = str(err)
+    cut = text.find("[tensorstore_spec=")
+    detail = text[:cut] if cut > 0 else text
+    if not detail.strip() or "Event loop is closed" in detail:
+        detail = f"{type(err).__name__} while reading it"
+    return ValueError(f"checkpoint {quote_path(ckpt_dir)}: cannot restore the orbax checkpoint "
+                      f"({one_line(detail, 240)}); it is damaged or incomplete: re-create it "
+                      "(lwm-jax convert) or use another checkpoint")
 
 
 def save_native(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, source: str = "") -> Path:
-    """Write `config.yaml` and `params/` under `out_dir` (which must not hold a checkpoint yet)."""
+    """Write `config.yaml` and `params/` under `out_dir` (which must not hold a checkpoint yet).
+
+    Raises ValueError (one line) when `out_dir` is unusable (`check_target`) or the tree does
+    not fit `cfg`.
+    """
     import orbax.checkpoint as ocp
     params.check_tree(cfg, tree, "convert")
-    root = Path(out_dir).absolute()
-    if (root / PARAMS).exists():
-        raise ValueError(f"output_dir: {str(root)!r} already holds a params/ checkpoint; "
-                         "choose an empty directory")
+    root = check_target(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     values = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
     checkpointer = ocp.StandardCheckpointer()
@@ -57,13 +85,32 @@ def save_native(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, source
     return root
 
 
+def check_target(out_dir: str | os.PathLike) -> Path:
+    """The absolute output directory for `save_native`; ValueError (one line) when it is a
+    file, cannot be written or already holds a params/ checkpoint. Creates nothing."""
+    root = check_output_dir(Path(out_dir).absolute(), "output_dir")
+    if (root / PARAMS).exists():
+        raise ValueError(f"output_dir: {str(root)!r} already holds a params/ checkpoint; "
+                         "choose an empty directory")
+    return root
+
+
 def restore_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> dict:
-    """Restore a params tree saved by orbax at `ckpt_dir`, shaped for `cfg` (float32 NumPy)."""
+    """Restore a params tree saved by orbax at `ckpt_dir`, shaped for `cfg` (float32 NumPy).
+
+    Raises ValueError (one line, `restore_failed`) when orbax cannot read it, and when a
+    parameter holds NaN/inf.
+    """
     import orbax.checkpoint as ocp
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
                           params.param_shapes(cfg))
-    tree = ocp.StandardCheckpointer().restore(Path(ckpt_dir).absolute(), target)
-    return jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+    try:
+        tree = ocp.StandardCheckpointer().restore(Path(ckpt_dir).absolute(), target)
+    except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
+        raise restore_failed(ckpt_dir, err) from None
+    tree = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
+    params.check_finite(tree, f"checkpoint {quote_path(ckpt_dir)}")
+    return tree
 
 
 def load_native(path: str | os.PathLike) -> tuple[ModelConfig, dict]:

@@ -82,6 +82,25 @@ def check_tree(cfg: ModelConfig, tree: dict, where: str) -> None:
                              f"expected {tuple(sds.shape)}")
 
 
+def check_finite_array(arr, name: str, where: str) -> None:
+    """Raise ValueError (one line naming `where` and tensor `name`) when the floating-point
+    array `arr` holds a NaN or an infinity; other dtypes pass."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind != "f" or bool(np.isfinite(arr).all()):
+        return
+    n_nan = int(np.isnan(arr).sum())
+    n_inf = int(np.isinf(arr).sum())
+    raise ValueError(f"{where}: tensor {name!r} holds {n_nan} NaN and {n_inf} inf values (of "
+                     f"{arr.size}); the checkpoint is corrupt or from a diverged run: use "
+                     "another one")
+
+
+def check_finite(tree: dict, where: str) -> None:
+    """`check_finite_array` for every leaf of a params tree (named by its "/" path)."""
+    for path, value in flatten(tree).items():
+        check_finite_array(value, path, where)
+
+
 def model_from_params(cfg: ModelConfig, tree: dict, policy: Policy | str = "fp32"):
     """Build an `RWKV7` holding `tree` (checked against `cfg`; cast to the policy's param dtype)."""
     pol = parse_policy(policy)

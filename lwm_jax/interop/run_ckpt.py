@@ -13,19 +13,22 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import yaml
 
 from lwm_jax.config import ModelConfig
 from lwm_jax.interop import params
+from lwm_jax.interop.native import model_config_from, restore_failed
+from lwm_jax.user_input import load_yaml_file, quote_path
 
 CONFIG = "config.yaml"
 
 
 def _run_config(run_dir: Path) -> dict | None:
+    """The run's config mapping, or None when there is no `config.yaml` with a `model:`
+    mapping. Raises ValueError (one line naming the file) for bad or refused YAML."""
     file = run_dir / CONFIG
     if not file.is_file():
         return None
-    doc = yaml.safe_load(file.read_text())
+    doc = load_yaml_file(file)
     return doc if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else None
 
 
@@ -33,8 +36,9 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     """Where the run's step directories live (see module docstring)."""
     run_dir = Path(run_dir)
     doc = _run_config(run_dir) or {}
-    configured = (doc.get("checkpoint") or {}).get("dir")
-    if configured and Path(configured).is_dir():
+    section = doc.get("checkpoint")
+    configured = section.get("dir") if isinstance(section, dict) else None
+    if isinstance(configured, str) and configured and Path(configured).is_dir():
         return Path(configured)
     return run_dir / "checkpoints"
 
@@ -55,14 +59,18 @@ def is_run_dir(path: str | os.PathLike) -> bool:
 
 
 def read_run_params(path: str | os.PathLike, step: int | None = None) -> tuple[ModelConfig, dict]:
-    """`(ModelConfig, params tree)` of `step` (default: the newest complete one) of a run."""
+    """`(ModelConfig, params tree)` of `step` (default: the newest complete one) of a run.
+
+    Raises ValueError (one line) for a missing or damaged `config.yaml`, no complete step, an
+    orbax checkpoint that cannot be restored (`native.restore_failed`) and NaN/inf parameters.
+    """
     import orbax.checkpoint as ocp
     run_dir = Path(path)
     doc = _run_config(run_dir)
     if doc is None:
         raise ValueError(f"checkpoint {str(run_dir)!r}: no config.yaml with a model: section "
                          "(not a training run directory)")
-    cfg = ModelConfig.from_dict(doc["model"], where=f"{run_dir / CONFIG}: model").resolved()
+    cfg = model_config_from(doc, run_dir / CONFIG).resolved()
     steps = complete_steps(run_dir)
     if not steps:
         raise ValueError(f"checkpoint {str(run_dir)!r}: no complete checkpoint under "
@@ -76,9 +84,13 @@ def read_run_params(path: str | os.PathLike, step: int | None = None) -> tuple[M
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32),
                                 target)
     state_dir = (checkpoint_dir(run_dir) / str(step) / "state").absolute()
-    out = ocp.PyTreeCheckpointer().restore(
-        state_dir, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                               partial_restore=True))
-    tree = jax.tree.map(lambda x: np.asarray(x, np.float32), out["params"])
+    try:
+        out = ocp.PyTreeCheckpointer().restore(
+            state_dir, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                   partial_restore=True))
+        tree = jax.tree.map(lambda x: np.asarray(x, np.float32), out["params"])
+    except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
+        raise restore_failed(state_dir, err) from None
     params.check_tree(cfg, tree, f"checkpoint {str(state_dir)!r}")
+    params.check_finite(tree, f"checkpoint {quote_path(state_dir)}")
     return cfg, tree

@@ -91,6 +91,8 @@ def gather_params(sd: Mapping[str, np.ndarray], cfg: ModelConfig, top, block, bl
     `block_prefix.format(i=layer) + suffix` and stacked over layers. Layer 0's value-residual
     tensors listed in `layer0_optional` may be absent (filled with `layer0_value_fill`). Every
     tensor must be consumed: an unknown name is an error, never a silently dropped weight.
+    Raises ValueError (one line naming the tensor) for a missing, unexpected, misshapen,
+    complex or non-finite (NaN/inf) tensor.
     """
     shapes = params.flatten(params.param_shapes(cfg))
     used: set[str] = set()
@@ -98,8 +100,13 @@ def gather_params(sd: Mapping[str, np.ndarray], cfg: ModelConfig, top, block, bl
 
     def take(name: str, expected: tuple[int, ...], kind: str) -> np.ndarray:
         used.add(name)
-        return layout.from_external(np.asarray(_need(sd, name, where), np.float32), kind,
-                                    expected, name)
+        value = np.asarray(_need(sd, name, where))
+        if value.dtype.kind == "c":
+            raise ValueError(f"{where}: tensor {name!r} is complex ({value.dtype}); RWKV weights "
+                             "are real and the imaginary part would be lost")
+        value = value.astype(np.float32)
+        params.check_finite_array(value, name, where)
+        return layout.from_external(value, kind, expected, name)
 
     for path, name, kind in top:
         flat[path] = take(name, shapes[path].shape, kind)

@@ -3,16 +3,21 @@
 PyTorch is optional: it is imported only here, only when a `.pth` file is read or written.
 Loading always uses `torch.load(..., weights_only=True)`, whose restricted unpickler accepts only
 tensors and plain containers; anything else (a `__reduce__` that would call `os.system`, a custom
-class) is refused before it can run, and reported as a one-line `ValueError`.
+class) is refused before it can run, and reported as a one-line `ValueError`. Tensors that
+cannot stand for dense real weights (meta, sparse, nested, quantized or complex tensors) are
+refused by name instead of being converted lossily.
 """
 from __future__ import annotations
 
 import os
 import pickle
 import re
+import warnings
 from typing import Mapping
 
 import numpy as np
+
+from lwm_jax.user_input import one_line
 
 TORCH_DTYPES = ("bf16", "f32")
 
@@ -41,12 +46,20 @@ def _refusal(path, err: Exception) -> str:
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read a `.pth` state dict as `{name: float32 (or integer) NumPy array}`.
 
-    bf16 / fp16 tensors are widened to float32 exactly. Raises ValueError (one line) for a
-    malicious or non-tensor pickle, a missing file, or a file that is not a mapping of tensors.
+    bf16 / fp16 tensors are widened to float32 exactly; views, transposed or expanded tensors
+    are copied out densely. Raises ValueError (one line) for a malicious or non-tensor pickle, a
+    missing or unreadable file, a file that is not a mapping of tensors, and a tensor that is
+    meta, sparse, nested, quantized or complex (named). ImportError when torch is missing.
     """
     torch = require_torch(f"reading {os.fspath(path)!r}")
     if not os.path.isfile(path):
         raise ValueError(f"checkpoint {os.fspath(path)!r}: no such file")
+    with warnings.catch_warnings():      # torch's own deprecation notes are no use to the user
+        warnings.simplefilter("ignore")
+        return _load(torch, path)
+
+
+def _load(torch, path) -> dict[str, np.ndarray]:
     try:
         try:
             obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
@@ -56,31 +69,72 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         raise ValueError(_refusal(path, err)) from None
-    except (RuntimeError, EOFError, OSError) as err:
+    except Exception as err:    # truncated / garbled: zip, pickle or storage errors of any type
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-        raise ValueError(f"checkpoint {os.fspath(path)!r}: not a readable PyTorch file ({first})") from None
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: not a readable PyTorch file "
+                         f"({one_line(first, 200)}); re-download or re-save it") from None
     if not isinstance(obj, Mapping):
         raise ValueError(f"checkpoint {os.fspath(path)!r}: expected a state dict (name -> tensor), "
                          f"got {type(obj).__name__}")
     out: dict[str, np.ndarray] = {}
+    where = f"checkpoint {os.fspath(path)!r}"
     for name, value in obj.items():
         if not isinstance(value, torch.Tensor):
-            raise ValueError(f"checkpoint {os.fspath(path)!r}: entry {name!r} is a "
-                             f"{type(value).__name__}, not a tensor")
-        t = value.detach().cpu()
+            raise ValueError(f"{where}: entry {name!r} is a {type(value).__name__}, not a "
+                             "tensor; give a plain state dict (name -> tensor)")
+        out[str(name)] = _to_numpy(torch, value, str(name), where)
+    return out
+
+
+def _to_numpy(torch, value, name: str, where: str) -> np.ndarray:
+    """One tensor -> a dense NumPy array (floats as float32), or a one-line ValueError."""
+    t = value.detach()
+    problem = None
+    if getattr(t, "is_nested", False):
+        problem = "is a nested tensor; save dense tensors"
+    elif t.is_meta:
+        problem = "is a meta tensor (a shape without data); save the real weights"
+    elif t.layout != torch.strided:
+        problem = (f"has {str(t.layout).replace('torch.', '')} layout, not dense; save "
+                   "tensor.to_dense()")
+    elif t.is_quantized:
+        problem = f"is quantized ({t.dtype}); dequantize it before saving"
+    elif t.is_complex():
+        problem = (f"is complex ({t.dtype}); RWKV weights are real and the imaginary part "
+                   "would be lost")
+    if problem:
+        raise ValueError(f"{where}: tensor {name!r} {problem}")
+    try:
+        t = t.cpu().resolve_conj().resolve_neg()
         if t.is_floating_point():
             t = t.to(torch.float32)
-        out[str(name)] = t.contiguous().numpy().copy()
-    return out
+        return t.contiguous().numpy().copy()
+    except Exception as err:     # an odd layout or dtype NumPy cannot hold
+        raise ValueError(f"{where}: tensor {name!r} ({t.dtype}, shape {tuple(t.shape)}) cannot "
+                         f"be read as an array ({one_line(err, 150)}); re-save it as a plain "
+                         "dense tensor") from None
 
 
 def save_state_dict(arrays: Mapping[str, np.ndarray], path: str | os.PathLike,
                     dtype: str = "bf16") -> None:
-    """Write `{name: array}` with `torch.save` as a plain dict of tensors (`dtype`: bf16 | f32)."""
+    """Write `{name: array}` with `torch.save` as a plain dict of tensors (`dtype`: bf16 | f32).
+
+    Raises ValueError for a bad dtype or an unwritable path, OSError (ENOSPC) for a full disk.
+    """
     if dtype not in TORCH_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {TORCH_DTYPES}")
     torch = require_torch(f"writing {os.fspath(path)!r}")
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float32
-    tensors = {name: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32)).to(tdtype)
+    tensors = {name: torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(tdtype)
                for name, a in arrays.items()}
-    torch.save(tensors, path)
+    try:
+        torch.save(tensors, path)
+    except OSError:
+        raise
+    except Exception as err:      # torch reports I/O failures as RuntimeError
+        text = one_line(err, 200)
+        if "No space left" in text:
+            import errno
+            raise OSError(errno.ENOSPC, "No space left on device", os.fspath(path)) from None
+        raise ValueError(f"output {os.fspath(path)!r}: cannot be written ({text}); choose a "
+                         "writable location") from None

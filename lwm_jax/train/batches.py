@@ -16,8 +16,10 @@ from jax.sharding import NamedSharding
 
 from lwm_jax.config import ModelConfig
 from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
+from lwm_jax.data.prepare import read_tokenizer_record
 from lwm_jax.tokenizers import get_tokenizer
 from lwm_jax.train.config import DataSection, TrainSection
+from lwm_jax.user_input import short
 
 
 @dataclasses.dataclass
@@ -30,7 +32,11 @@ class TokenSplits:
 
 
 def load_splits(d: DataSection, model: ModelConfig) -> TokenSplits:
-    """Open the configured data (or the embedded corpus) and split off validation tokens."""
+    """Open the configured data (or the embedded corpus) and split off validation tokens.
+
+    Raises ValueError (one line naming the key) when the tokenizer does not fit the model or
+    disagrees with the one `lwm-jax prepare` recorded next to `data.path` / `data.val_path`.
+    """
     vocab = _tokenizer_vocab(d.tokenizer)
     if vocab is not None and vocab > model.vocab_size:
         raise ValueError(f"model.vocab_size: {model.vocab_size} is smaller than the "
@@ -45,6 +51,9 @@ def load_splits(d: DataSection, model: ModelConfig) -> TokenSplits:
         train, val = stdlib_corpus(val_fraction=d.val_fraction)
         return TokenSplits(train, val, f"embedded Python-stdlib corpus ({len(train):,} train / "
                                        f"{len(val):,} val byte tokens)")
+    for key, prefix in (("data.path", d.path), ("data.val_path", d.val_path)):
+        if prefix is not None:
+            check_tokenizer_record(key, prefix, d.tokenizer, vocab)
     ds = BinIdxDataset(d.path)
     if d.val_path is not None:
         train, val = ds.tokens, BinIdxDataset(d.val_path).tokens
@@ -54,6 +63,23 @@ def load_splits(d: DataSection, model: ModelConfig) -> TokenSplits:
         train, val = ds.tokens, None
     desc = f"{d.path} ({len(train):,} train / {0 if val is None else len(val):,} val tokens)"
     return TokenSplits(train, val, desc)
+
+
+def check_tokenizer_record(key: str, prefix: str, spec: str, vocab: int | None) -> None:
+    """Refuse data prepared with another tokenizer than `data.tokenizer` = `spec` (its kind
+    differs, e.g. byte vs world, or its vocabulary size differs from `vocab`). Data without a
+    record (prepared elsewhere) is not checked. Raises ValueError (one line)."""
+    record = read_tokenizer_record(prefix)
+    if record is None:
+        return
+    used = record["tokenizer"]
+    same_kind = used.partition(":")[0] == spec.partition(":")[0]
+    same_vocab = vocab is None or record.get("vocab_size") in (None, vocab)
+    if not (same_kind and same_vocab):
+        raise ValueError(f"data.tokenizer: {short(spec)} does not match {key}={prefix}, which was "
+                         f"prepared with tokenizer {used!r} (vocab_size "
+                         f"{record.get('vocab_size')}); set data.tokenizer={used} or re-run "
+                         f"lwm-jax prepare --tokenizer {spec}")
 
 
 def _tokenizer_vocab(spec: str) -> int | None:

@@ -14,7 +14,9 @@ Every key a YAML file leaves out takes its built-in default, and the built-in de
 tiny run (`configs/tiny.yaml` mirrors them; a test keeps the two equal), so `lwm-jax train` with
 no `--config` works from any directory. Values in YAML and in overrides (`train.lr=3e-4`) are
 parsed with `yaml.safe_load`; numbers written like `6e-4` (a string to YAML 1.1) are accepted for
-float keys. Every mistake is a one-line `ValueError` that starts with the dotted key.
+float keys. Every mistake is a one-line `ValueError` that starts with the dotted key; values
+quoted in messages are cut to ~80 characters. YAML is read with `lwm_jax.user_input.load_yaml`:
+duplicate keys, alias bombs and absurd nesting are refused, not expanded.
 """
 from __future__ import annotations
 
@@ -29,6 +31,7 @@ import yaml
 
 from lwm_jax.config import ModelConfig
 from lwm_jax.precision import parse_policy
+from lwm_jax.user_input import load_yaml, load_yaml_file, short
 
 # The tiny model: L4 D256 byte-level, 3.6M parameters.
 TINY_MODEL = ModelConfig(vocab_size=256, n_layer=4, n_embd=256, head_size=64)
@@ -52,6 +55,9 @@ class TrainSection:
     eval_every: validation every this many steps (0 = only at the end).
     eval_batches: batches of `batch_size` sequences per validation.
     log_every: steps between metric records.
+    loss_chunk: tokens (summed over the batch rows) whose logits exist at once in the loss: the
+      fused loss computes logits, cross-entropy and their gradient chunk by chunk, so
+      `[B, T, V]` float32 logits never exist. 0 = unfused (all logits at once).
     max_consecutive_skips: stop the run after this many optimizer steps in a row were skipped
       because the loss or a gradient was non-finite (their update is never applied; under
       fp16 loss scaling only skips at the minimum loss scale count). 0 = never stop.
@@ -73,6 +79,7 @@ class TrainSection:
     eval_every: int = 25
     eval_batches: int = 4
     log_every: int = 5
+    loss_chunk: int = 4096
     max_consecutive_skips: int = 8
 
 
@@ -174,43 +181,49 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return _coerce(key, value, inner)
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
-            _fail(key, f"expected a list of {len(args)} numbers, got {value!r}")
+            _fail(key, f"expected a list of {len(args)} numbers, got {short(value)}")
         return tuple(_coerce(f"{key}[{i}]", v, a) for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if not isinstance(value, bool):
-            _fail(key, f"expected true or false, got {value!r}")
+            _fail(key, f"expected true or false, got {short(value)}")
         return value
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
-            _fail(key, f"expected an integer, got {value!r}")
+            _fail(key, f"expected an integer, got {short(value)}")
         return value
     if tp is float:
         if isinstance(value, str):           # YAML 1.1 reads `6e-4` as a string
             try:
                 value = float(value)
             except ValueError:
-                _fail(key, f"expected a number, got {value!r}")
+                _fail(key, f"expected a number, got {short(value)}")
         if isinstance(value, bool) or not isinstance(value, (int, float)) \
                 or not math.isfinite(value):
-            _fail(key, f"expected a finite number, got {value!r}")
+            _fail(key, f"expected a finite number, got {short(value)}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
-            _fail(key, f"expected a string, got {value!r}")
+            _fail(key, f"expected a string, got {short(value)}")
         return value
     raise TypeError(f"{key}: unsupported field type {tp!r}")   # programming error, not user input
 
 
 def _build_section(cls, where: str, raw: Any):
     if not isinstance(raw, dict):
-        _fail(where, f"expected a mapping of keys, got {raw!r}")
+        _fail(where, f"expected a mapping of keys, got {short(raw)}")
     hints = typing.get_type_hints(cls)
     by_yaml = {_yaml_key(f.name): f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(map(str, raw)) - set(by_yaml))
     if unknown:
-        _fail(f"{where}.{unknown[0]}", f"unknown key; valid keys: {', '.join(sorted(by_yaml))}")
+        _fail(f"{where}.{_key(unknown[0])}",
+              f"unknown key; valid keys: {', '.join(sorted(by_yaml))}")
     kwargs = {by_yaml[k]: _coerce(f"{where}.{k}", v, hints[by_yaml[k]]) for k, v in raw.items()}
     return cls(**kwargs)
+
+
+def _key(name: str, limit: int = 60) -> str:
+    """A (possibly user-typed, possibly huge) key name or path, cut for a message."""
+    return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
 def _check_values(cfg: RunConfig) -> None:
@@ -227,10 +240,14 @@ def _check_values(cfg: RunConfig) -> None:
                     "train.weight_decay": t.weight_decay, "train.grad_clip": t.grad_clip,
                     "train.eval_every": t.eval_every, "train.seed": t.seed,
                     "train.max_consecutive_skips": t.max_consecutive_skips,
+                    "train.loss_chunk": t.loss_chunk,
                     "checkpoint.every": c.every}
     for key, v in non_negative.items():
         if v < 0:
             _fail(key, f"must be >= 0, got {v}")
+    if t.warmup_steps > t.steps:
+        _fail("train.warmup_steps", f"{t.warmup_steps} is larger than train.steps={t.steps}; "
+                                    "lower train.warmup_steps or raise train.steps")
     if t.min_lr > t.lr:
         _fail("train.min_lr", f"{t.min_lr} is larger than train.lr={t.lr}; lower train.min_lr too")
     for i, beta in enumerate(t.betas):
@@ -245,9 +262,9 @@ def _check_values(cfg: RunConfig) -> None:
         if prefix is not None:
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(binidx_prefix(prefix) + ext):
-                    _fail(key, f"{binidx_prefix(prefix) + ext} not found; give the prefix of a "
-                               "binidx pair (<prefix>.bin + <prefix>.idx), or null for the "
-                               "embedded corpus")
+                    _fail(key, f"{_key(binidx_prefix(prefix) + ext, 240)} not found; give the "
+                               "prefix of a binidx pair (<prefix>.bin + <prefix>.idx), or null "
+                               "for the embedded corpus")
     if d.val_path is not None and d.path is None:
         _fail("data.val_path", "needs data.path too (the embedded corpus has its own split)")
     sizes = dataclasses.asdict(m)
@@ -257,7 +274,7 @@ def _check_values(cfg: RunConfig) -> None:
     if list(sizes.values()).count(-1) > 1:
         _fail("mesh", "at most one axis may be -1")
     if not cfg.name or "/" in cfg.name:
-        _fail("name", f"must be a non-empty name without '/', got {cfg.name!r}")
+        _fail("name", f"must be a non-empty name without '/', got {short(cfg.name)}")
 
 
 def binidx_prefix(path: str) -> str:
@@ -276,20 +293,23 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     valid = sorted([*_TOP_SCALARS, "model", *_SECTIONS])
     unknown = sorted(set(map(str, raw)) - set(valid))
     if unknown:
-        _fail(unknown[0], f"unknown key; valid keys: {', '.join(valid)}")
+        _fail(_key(unknown[0]), f"unknown key; valid keys: {', '.join(valid)}")
     base = RunConfig().to_dict()
     hints = typing.get_type_hints(RunConfig)
     top = {k: _coerce(k, raw.get(k, base[k]), hints[k]) for k in _TOP_SCALARS}
     parse_policy(top["precision"])            # raises "precision: ..." on a bad string
     model_raw = raw.get("model", {})
     if not isinstance(model_raw, dict):
-        _fail("model", f"expected a mapping of keys, got {model_raw!r}")
+        _fail("model", f"expected a mapping of keys, got {short(model_raw)}")
+    model_hints = typing.get_type_hints(ModelConfig)      # typed here: messages stay short
+    model_raw = {k: _coerce(f"model.{k}", v, model_hints[k]) if k in model_hints else v
+                 for k, v in model_raw.items()}
     model = ModelConfig.from_dict({**base["model"], **model_raw}, where="model")
     sections = {}
     for sec, cls in _SECTIONS.items():
         given = raw.get(sec, {})
         if not isinstance(given, dict):
-            _fail(sec, f"expected a mapping of keys, got {given!r}")
+            _fail(sec, f"expected a mapping of keys, got {short(given)}")
         sections[sec] = _build_section(cls, sec, {**base[sec], **given})
     cfg = RunConfig(**top, model=model, **sections)
     _check_values(cfg)
@@ -303,18 +323,15 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not p for p in key.split(".")):
-            raise ValueError(f"override {item!r}: expected key=value, e.g. train.lr=3e-4")
-        try:
-            value = yaml.safe_load(text) if text.strip() else None
-        except yaml.YAMLError as e:
-            raise ValueError(f"{key}: cannot parse value {text!r} as YAML "
-                             f"({str(e).splitlines()[0]})") from None
+            raise ValueError(f"override {short(item)}: expected key=value, e.g. train.lr=3e-4")
+        value = load_yaml(text, f"{_key(key)}: value {short(text)}") if text.strip() else None
         node = out
         parts = key.split(".")
         for i, part in enumerate(parts[:-1]):
             child = node.setdefault(part, {})
             if not isinstance(child, dict):
-                _fail(".".join(parts[:i + 1]), f"is a value, not a section; cannot set {key}")
+                _fail(".".join(parts[:i + 1]), f"is a value, not a section; cannot set "
+                                               f"{_key(key)}")
             node = child
         node[parts[-1]] = value
     return out
@@ -328,20 +345,19 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunCo
     """Read a YAML run config (None = the built-in tiny defaults), apply overrides, validate.
 
     Without a `name:` key the run is named after the file (`configs/rwkv7-0.1b.yaml` ->
-    `rwkv7-0.1b`).
+    `rwkv7-0.1b`). Raises ValueError (one line, naming the file or the dotted key) for a missing
+    file, bad or refused YAML (`lwm_jax.user_input.load_yaml`) and every invalid value.
     """
     raw: dict[str, Any] = {}
     if path is not None:
+        if os.path.isdir(path):
+            raise ValueError(f"--config: {path} is a directory; give a YAML file")
         if not os.path.isfile(path):
             raise ValueError(f"--config: {path} not found")
-        with open(path, encoding="utf-8") as f:
-            try:
-                loaded = yaml.safe_load(f)
-            except yaml.YAMLError as e:
-                raise ValueError(f"--config: {path} is not valid YAML "
-                                 f"({' '.join(str(e).split())})") from None
+        loaded = load_yaml_file(path, f"--config: {path}")
         if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"--config: {path} must hold a mapping at the top level")
+            raise ValueError(f"--config: {path} must hold a mapping at the top level, "
+                             f"got {type(loaded).__name__}")
         raw = loaded or {}
         raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
     return build_config(apply_overrides(raw, overrides))
@@ -374,3 +390,86 @@ def check_against_mesh(cfg: RunConfig, sizes: dict[str, int]) -> None:
     if t.ctx_len % sizes["sequence"]:
         _fail("train.ctx_len", f"{t.ctx_len} is not divisible by mesh.sequence="
                                f"{sizes['sequence']}")
+
+
+def training_bytes(cfg: RunConfig) -> int:
+    """A lower bound of the bytes the train state needs: per parameter, the weight and its
+    gradient in the policy's parameter dtype plus two float32 Adam moments (activations and
+    workspace are not counted). Pure arithmetic on the config; nothing is allocated."""
+    import numpy as np
+    itemsize = np.dtype(parse_policy(cfg.precision).param_dtype).itemsize
+    return cfg.model.param_count() * (2 * itemsize + 8)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory a new allocation can use: `MemAvailable` from /proc/meminfo, capped
+    by a cgroup (container) limit when one is set; None when the platform does not say."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            room = max(0, int(limit) - used)
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.2f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(cfg: RunConfig, sizes: dict[str, int], *, device_bytes: int | None = None,
+                 n_local_devices: int = 1, host_bytes: int | None = None) -> None:
+    """Refuse, before anything is allocated, a run whose weights, gradients and Adam moments
+    alone (`training_bytes`) cannot fit.
+
+    `sizes`: the resolved mesh (`mesh_shape`); parameters are split over `fsdp * tensor`.
+    `device_bytes`: memory of one accelerator (JAX's `bytes_limit`); None = CPU devices, which
+    all share the host's `host_bytes` (default: `host_memory_available()`; None = no check).
+    Raises ValueError (one line naming the model keys and both sizes).
+    """
+    need = training_bytes(cfg) / max(1, sizes.get("fsdp", 1) * sizes.get("tensor", 1))
+    if device_bytes:
+        have, what = device_bytes, "memory of one device"
+    else:
+        need *= max(1, n_local_devices)
+        have = host_bytes if host_bytes is not None else host_memory_available()
+        what = "available host memory"
+    if have is None or need <= have:
+        return
+    m = cfg.model
+    embed_share = 2 * m.vocab_size * m.n_embd / max(1, m.param_count())
+    key = "model.vocab_size" if embed_share > 0.5 else "model.n_embd"
+    _fail(key, f"vocab_size={m.vocab_size}, n_embd={m.n_embd}, n_layer={m.n_layer} give "
+               f"{m.param_count():,} parameters whose weights, gradients and Adam moments alone "
+               f"need ~{_gib(need)}, more than the {_gib(have)} of {what}; lower {key} (or "
+               "shard the model with mesh.fsdp over more devices)")
+
+
+def check_memory_on_devices(cfg: RunConfig) -> None:
+    """`check_memory` against the devices JAX sees (imports JAX; see `check_memory`)."""
+    import jax
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    local = jax.local_devices()
+    stats = None
+    if local[0].platform != "cpu":
+        try:
+            stats = local[0].memory_stats()
+        except Exception:               # not every backend reports memory: skip, not fail
+            stats = None
+    check_memory(cfg, sizes, device_bytes=(stats or {}).get("bytes_limit"),
+                 n_local_devices=len(local))

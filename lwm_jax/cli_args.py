@@ -1,0 +1,176 @@
+"""Argument definitions of every `lwm-jax` subcommand, in one light module.
+
+Nothing here imports JAX-level code: `lwm-jax --help` and argument parsing build every
+subparser from this module alone, and only the chosen subcommand's implementation module is
+imported when it runs (`COMMANDS` names it). Defaults are shown in `--help` (`HelpFormatter`).
+The subcommand modules re-export their `add_*_args` functions from here for API users.
+"""
+from __future__ import annotations
+
+import argparse
+
+from lwm_jax.tokenizers import SPEC_HELP as TOKENIZER_SPEC_HELP
+
+# Checkpoint formats (`lwm_jax.interop.api.FORMATS` / `EXPORT_FORMATS`; a test keeps them equal).
+FORMATS = ("rwkv-pth", "hf", "lwm", "run")
+EXPORT_FORMATS = ("rwkv-pth", "hf")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Appends `(default: X)` to an option's help when X says something (not None/False/[]) and
+    the help text does not already explain its default."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if (action.required or default is None or default is False or default == []
+                or default is argparse.SUPPRESS or "(default" in text
+                or not action.option_strings):
+            return text
+        return f"{text} (default: %(default)s)" if text else "(default: %(default)s)"
+
+
+# ------------------------------------------------------------------------------------ train
+def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax train` (implemented in `lwm_jax.cli.train_main`)."""
+    p.add_argument("--config", "-c", default=None, metavar="YAML",
+                   help="run config (default: the built-in tiny config, = configs/tiny.yaml)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, e.g. train.lr=3e-4 model.n_layer=4 precision=bf16")
+    p.add_argument("--stop-after", type=int, default=None, metavar="N",
+                   help="run at most N steps now, checkpoint and exit (resume later)")
+    p.add_argument("--print-config", action="store_true",
+                   help="print the resolved config as YAML and exit")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return p
+
+
+# ---------------------------------------------------------------------------------- prepare
+def add_prepare_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax prepare` (implemented in `lwm_jax.data.prepare.run_prepare`)."""
+    p.add_argument("--input", "-i", nargs="+", action="extend", required=True, metavar="PATH",
+                   help=".txt (one document per file) or .jsonl (one per line) files or "
+                        "directories")
+    p.add_argument("--output", "-o", required=True, metavar="PREFIX",
+                   help="output prefix; writes PREFIX.bin, PREFIX.idx and "
+                        "PREFIX.tokenizer.json (the tokenizer used)")
+    p.add_argument("--tokenizer", default="byte",
+                   help=f"{TOKENIZER_SPEC_HELP}; byte matches the default (tiny, byte-level) "
+                        "model, world the RWKV World models (vocab 65536)")
+    p.add_argument("--text-key", default="text",
+                   help="field of each .jsonl object holding the text")
+    p.add_argument("--eod-token", default=None,
+                   help="hf: tokenizers only: end-of-document token text")
+    p.add_argument("--no-eod", action="store_true",
+                   help="do not append the EOD token to documents")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+# ------------------------------------------------------------------------- convert / export
+def add_convert_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax convert` (implemented in `lwm_jax.interop.cli.convert_main`)."""
+    p.add_argument("--input", "-i", required=True,
+                   help="official .pth file, HF directory or training run directory")
+    p.add_argument("--output", "-o", required=True, dest="output_dir",
+                   help="new directory for config.yaml + params/")
+    p.add_argument("--format", default=None, choices=FORMATS,
+                   help="input format (default: detected from the path)")
+    return p
+
+
+def add_export_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax export` (implemented in `lwm_jax.interop.cli.export_main`)."""
+    p.add_argument("--input", "-i", required=True, help="any checkpoint load_pretrained reads")
+    p.add_argument("--output", "-o", required=True,
+                   help=".pth file (rwkv-pth) or directory (hf)")
+    p.add_argument("--format", required=True, choices=EXPORT_FORMATS, help="output layout")
+    p.add_argument("--dtype", default=None, choices=("bf16", "f32"),
+                   help="stored dtype (default: bf16 for rwkv-pth, f32 for hf)")
+    p.add_argument("--input-format", default=None, choices=FORMATS,
+                   help="format of --input (default: detected from the path)")
+    p.add_argument("--max-shard-mb", type=int, default=None,
+                   help="hf: split the weights into shards of at most this many MiB "
+                        "(default: one file)")
+    return p
+
+
+# ------------------------------------------------------------------------ generate / eval
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--checkpoint / --format / --tokenizer / --precision (shared by generate and eval)."""
+    p.add_argument("--checkpoint", required=True,
+                   help="our converted directory, an official .pth file, an HF directory or a "
+                        "training run directory")
+    p.add_argument("--format", default=None, choices=FORMATS,
+                   help="checkpoint format (default: detected from the path)")
+    p.add_argument("--tokenizer", default=None,
+                   help=f"{TOKENIZER_SPEC_HELP} (default: byte for vocab 256, world for "
+                        "vocab 65536)")
+    p.add_argument("--precision", default="fp32", help="precision policy (fp32, bf16, ...)")
+
+
+def add_generate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax generate` (implemented in `lwm_jax.generate.cli.generate_main`)."""
+    add_model_args(p)
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="prompt text")
+    src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens; 0 = all")
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide positive logits of already seen tokens by this")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract from the logits of already seen tokens")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times the count of each seen token")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed")
+    p.add_argument("--stop-token", type=int, action="append", default=[],
+                   help="token id that ends generation (repeatable)")
+    p.add_argument("--no-stop-at-eod", action="store_true",
+                   help="do not stop at the tokenizer's end-of-document id")
+    p.add_argument("--no-echo", action="store_true",
+                   help="print only the generated text, not the prompt before it")
+    p.add_argument("--prefill-chunk", type=int, default=256, help="prompt tokens per call")
+    p.add_argument("--decode-block", type=int, default=16,
+                   help="decode steps per compiled call (one host sync each; text is streamed "
+                        "in bursts of up to this many tokens)")
+    p.add_argument("--load-state", help="start from a state saved with --save-state")
+    p.add_argument("--save-state", help="save the final state (.safetensors)")
+    return p
+
+
+def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax eval` (implemented in `lwm_jax.eval.cli.eval_main`)."""
+    add_model_args(p)
+    p.add_argument("--data", help="text file, or binidx prefix / .bin / .idx, for perplexity")
+    p.add_argument("--lambada", help="JSONL file of {\"text\": ...} for last-word accuracy")
+    p.add_argument("--ctx-len", type=int, default=1024, help="tokens per scoring window")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="score only the first N tokens (default: all)")
+    p.add_argument("--max-examples", type=int, default=None,
+                   help="LAMBADA examples to use (default: all)")
+    p.add_argument("--batch-size", type=int, default=8, help="LAMBADA batch size")
+    p.add_argument("--output", help="also write the results (the JSON printed) to this file")
+    return p
+
+
+# (name, one-line help, module of the entry point, entry point, add-arguments function)
+COMMANDS = (
+    ("train", "train (or resume) a model", "lwm_jax.cli", "train_main", add_train_args),
+    ("prepare", "tokenise .txt/.jsonl files into a binidx dataset", "lwm_jax.data.prepare",
+     "run_prepare", add_prepare_args),
+    ("convert", "import an official .pth or FLA/HF checkpoint as an lwm_jax checkpoint",
+     "lwm_jax.interop.cli", "convert_main", add_convert_args),
+    ("export", "export a checkpoint to the official .pth or FLA/HF format",
+     "lwm_jax.interop.cli", "export_main", add_export_args),
+    ("generate", "sample text from a checkpoint (RNN-mode decoding)", "lwm_jax.generate.cli",
+     "generate_main", add_generate_args),
+    ("eval", "perplexity / bits-per-byte and LAMBADA-style accuracy", "lwm_jax.eval.cli",
+     "eval_main", add_eval_args),
+)
+DESCRIPTIONS = {
+    "train": "Train an RWKV-7 model. With no --config: the tiny byte-level model on the built-in "
+             "corpus. Rerunning the same command resumes from the newest checkpoint.",
+}
