@@ -111,6 +111,18 @@ class RWKV7(nnx.Module):
         """Number of parameter scalars (equals `ModelConfig.param_count()`)."""
         return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
 
+    def features(self, tokens_BT, segment_ids=None):
+        """Final residual stream `[B, T, C]` (compute dtype), before `ln_out` and the head.
+
+        `head_fn(self.policy)(x, self.head_params())` turns it into logits; the trainer's fused
+        loss (`train.loss.fused_lm_loss`) does that chunk by chunk.
+        """
+        return self._trunk(tokens_BT, None, segment_ids, None)[0]
+
+    def head_params(self):
+        """`(ln_out weight, ln_out bias, head)`: the arrays `head_fn` takes."""
+        return (self.ln_out.weight[...], self.ln_out.bias[...], self.head[...])
+
     def __call__(self, tokens_BT, state: RWKV7State | None = None, return_state: bool = False,
                  segment_ids=None, probe=None):
         """Logits for `tokens_BT` (int `[B, T]`).
@@ -127,6 +139,16 @@ class RWKV7(nnx.Module):
           logits `[B, T, V]` in `policy.output_dtype` (computed in float32), or
           `(logits, RWKV7State)` when `return_state`.
         """
+        x, new = self._trunk(tokens_BT, state, segment_ids, probe)
+        logits = self.head_logits(x)
+        if probe is not None:
+            probe("logits", logits)
+        if return_state:
+            return logits, RWKV7State(new.tmix_shift, new.cmix_shift, new.wkv)
+        return logits
+
+    def _trunk(self, tokens_BT, state, segment_ids, probe):
+        """Embedding, ln0 and the blocks: `(x_BTC, new LayerState)`; checks the inputs."""
         tokens_BT = jnp.asarray(tokens_BT)
         if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
             raise ValueError(f"RWKV7: tokens must be an integer array [B, T], got shape "
@@ -155,11 +177,7 @@ class RWKV7(nnx.Module):
         states = LayerState(state.tmix_shift, state.cmix_shift, state.wkv)
         x, new = self._run_blocks(params, x, states, segment_ids, probe)
 
-        logits = self.head_logits(x)
-        tap("logits", logits)
-        if return_state:
-            return logits, RWKV7State(new.tmix_shift, new.cmix_shift, new.wkv)
-        return logits
+        return x, new
 
     def head_logits(self, x_BTC):
         """Logits fp32 island: `LN_out(x) @ head` with float32 statistics, operands and result.
@@ -167,9 +185,7 @@ class RWKV7(nnx.Module):
         `x_BTC`: final residual stream `[B, T, C]` (any float dtype). Returns `[B, T, V]` in
         `policy.output_dtype` (float32 in every preset).
         """
-        xo = layer_norm(x_BTC, self.ln_out.weight[...], self.ln_out.bias[...],
-                        out_dtype=jnp.float32)
-        logits = self.policy.einsum_f32("btc,cv->btv", xo, self.head[...])
+        logits = head_fn(self.policy)(x_BTC, self.head_params())
         return logits.astype(self.policy.output_dtype)
 
     def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
@@ -220,3 +236,14 @@ class RWKV7(nnx.Module):
             if got != shape:
                 raise ValueError(f"RWKV7: state.{name} has shape {got}, expected {shape} "
                                  f"(batch {batch_size}); build it with model.init_state")
+
+
+def head_fn(policy: Policy):
+    """`f(x_BTC, (ln_out weight, ln_out bias, head)) -> float32 logits`: the logits fp32 island
+    (LayerNorm with float32 statistics and output, then the head matmul on float32 operands at
+    the policy's matmul precision) as a pure function of its parameters."""
+    def f(x_BTC, head_params):
+        weight, bias, head_CV = head_params
+        xo = layer_norm(x_BTC, weight, bias, out_dtype=jnp.float32)
+        return policy.einsum_f32("btc,cv->btv", xo, head_CV)
+    return f

@@ -5,11 +5,18 @@ L2Wrap leaves the loss value unchanged and, in the backward pass, adds
 logits from drifting upwards (RWKV-LM uses it in every run). The extra gradient is multiplied by
 the loss's incoming cotangent, so loss scaling (fp16) and micro-batch averaging treat it exactly
 like a term of the loss.
+
+`fused_lm_loss` computes the same loss (and L2Wrap) chunk by chunk from the final hidden states,
+with the gradient taken in the forward pass, so `[B, T, V]` logits never exist.
 """
 from __future__ import annotations
 
+import functools
+from typing import Any, Callable
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 L2WRAP_FACTOR = 1e-4
 
@@ -58,3 +65,100 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, *, use_l2wrap: bool) -
     """Cross-entropy (float32 scalar), with L2Wrap's extra gradient when `use_l2wrap`."""
     loss = cross_entropy(logits_BTV, targets_BT)
     return l2wrap(loss, logits_BTV) if use_l2wrap else loss
+
+
+def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets_BT: jax.Array,
+                  *, chunk_tokens: int, use_l2wrap: bool) -> jax.Array:
+    """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
+
+    The positions are cut into chunks of about `chunk_tokens` tokens (`max(1, chunk_tokens // B)`
+    positions of every row); a `lax.scan` computes each chunk's float32 logits, its share of the
+    mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
+    L2Wrap's term at the argmax) pulled back to `x` and `head_params`. The forward therefore
+    keeps `d x` (`[B, T, C]`, x's dtype) and the head gradient, and the backward only scales
+    them by the incoming cotangent: no logits are recomputed and none outlive their chunk.
+
+    Args:
+      head_fn: `head_fn(x_BnC, head_params) -> logits_BnV` float32 (e.g. final norm + head).
+      x_BTC: final hidden states. head_params: pytree of the head's arrays.
+      targets_BT: int token ids in [0, V).
+      chunk_tokens: tokens per chunk, summed over the rows (>= 1).
+      use_l2wrap: add L2Wrap's gradient (the loss value is unchanged).
+    Returns:
+      float32 scalar, the mean cross-entropy in nats (equal to `lm_loss` up to summation order).
+    """
+    return _fused(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT)
+
+
+def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
+                          targets_BT: jax.Array, *, chunk_tokens: int) -> jax.Array:
+    """Mean cross-entropy (float32, nats) of `head_fn(x, head_params)` computed chunk by chunk
+    (as `fused_lm_loss`, without gradients: for evaluation)."""
+    return _fused_forward(head_fn, chunk_tokens, False, x_BTC, head_params, targets_BT,
+                          with_grad=False)[0]
+
+
+def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT,
+                   with_grad=True):
+    B, T, C = x_BTC.shape
+    n = max(1, min(T, chunk_tokens // B))
+    NC = -(-T // n)
+    pad = NC * n - T
+    x_pad = jnp.pad(x_BTC, ((0, 0), (0, pad), (0, 0)))
+    tgt_pad = jnp.pad(targets_BT.astype(jnp.int32), ((0, 0), (0, pad)))
+    valid = (jnp.arange(NC * n) < T).astype(jnp.float32)
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(a.shape[0], NC, n, *a.shape[2:]), 1, 0)  # noqa
+    inv_total = 1.0 / (B * T)
+
+    def body(carry, xs):
+        loss_sum, d_head = carry
+        x_BnC, tgt_Bn, valid_n = xs
+        logits_BnV, pullback = jax.vjp(lambda x, p: head_fn(x, p), x_BnC, head_params)
+        logits_BnV = logits_BnV.astype(jnp.float32)
+        lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
+        target_Bn = jnp.take_along_axis(logits_BnV, tgt_Bn[..., None], axis=-1)[..., 0]
+        weight_Bn = valid_n[None, :] * inv_total
+        loss_sum = loss_sum + jnp.sum((lse_Bn - target_Bn) * weight_Bn)
+        if not with_grad:
+            return (loss_sum, d_head), None
+        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BnV.shape, 2)
+        d_logits = jnp.exp(logits_BnV - lse_Bn[..., None]) - (vocab_ids == tgt_Bn[..., None])
+        if use_l2wrap:
+            top_Bn = jnp.max(logits_BnV, axis=-1)
+            at_top = vocab_ids == jnp.argmax(logits_BnV, axis=-1)[..., None]
+            d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None], 0.0)
+        dx_BnC, d_p = pullback(d_logits * weight_Bn[..., None])
+        d_head = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_head, d_p)
+        return (loss_sum, d_head), dx_BnC
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params)
+    (loss, d_head), dx = jax.lax.scan(body, (jnp.zeros([], jnp.float32), zeros),
+                                      (by_chunk(x_pad), by_chunk(tgt_pad),
+                                       valid.reshape(NC, n)))
+    if not with_grad:
+        return loss, None
+    dx_BTC = jnp.moveaxis(dx, 0, 1).reshape(B, NC * n, C)[:, :T]
+    return loss, (dx_BTC, d_head)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _fused(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT):
+    return _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT)[0]
+
+
+def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT):
+    loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params,
+                                 targets_BT)
+    protos = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), head_params)   # dtypes only
+    return loss, (grads, protos, targets_BT)
+
+
+def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, res, g):
+    (dx_BTC, d_head), protos, targets_BT = res
+    g = g.astype(jnp.float32)
+    dx = (dx_BTC.astype(jnp.float32) * g).astype(dx_BTC.dtype)
+    d_head = jax.tree.map(lambda d, proto: (d * g).astype(proto.dtype), d_head, protos)
+    return dx, d_head, np.zeros(targets_BT.shape, jax.dtypes.float0)
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)

@@ -23,7 +23,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from lwm_jax.loss_scale import DynamicLossScale, NoLossScale, all_finite
-from lwm_jax.train.loss import cross_entropy, lm_loss
+from lwm_jax.models.rwkv7 import head_fn
+from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
 from lwm_jax.train.optimizer import applied_updates
 from lwm_jax.train.sharding import activation_spec, replicated, tokens_sharding
 
@@ -57,12 +58,28 @@ def split_tokens(tokens_BT1: jax.Array, mesh: Mesh) -> tuple[jax.Array, jax.Arra
     return inputs, targets
 
 
+def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: int,
+               with_grad: bool = True):
+    """Mean next-token cross-entropy of `model` (fused, chunked loss when `loss_chunk` > 0)."""
+    if loss_chunk <= 0:
+        logits_BTV = model(inputs_BT)
+        if not with_grad:
+            return cross_entropy(logits_BTV, targets_BT)
+        return lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
+    x_BTC, fn, hp = model.features(inputs_BT), head_fn(model.policy), model.head_params()
+    if not with_grad:
+        return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk)
+    return fused_lm_loss(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
+                         use_l2wrap=use_l2wrap)
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,
                     lr_at: Callable, *, grad_accum: int, use_l2wrap: bool, mesh: Mesh,
-                    state_shardings: Any) -> Callable:
+                    state_shardings: Any, loss_chunk: int = 0) -> Callable:
     """Build `step(state, tokens) -> (state, metrics)`, jitted with explicit shardings.
 
     tokens: int `[B, T+1]` when `grad_accum == 1`, else `[grad_accum, B/grad_accum, T+1]`.
+    loss_chunk: tokens per chunk of the fused loss (`train.loss_chunk`; 0 = unfused).
     metrics: dict of float32 scalars `loss` (mean cross-entropy, nats), `grad_norm` (global norm
       of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied,
       0 = skipped: non-finite loss or gradient), `skipped_steps` (steps skipped so far).
@@ -71,8 +88,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
 
     def loss_fn(params, tokens_BT1, loss_scale):
         inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
-        logits_BTV = nnx.merge(graphdef, params)(inputs_BT)
-        loss = lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
+        loss = model_loss(nnx.merge(graphdef, params), inputs_BT, targets_BT,
+                          use_l2wrap=use_l2wrap, loss_chunk=loss_chunk)
         return loss_scale.scale_loss(loss), loss
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -122,12 +139,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
                    out_shardings=(state_shardings, replicated(mesh)), donate_argnums=0)
 
 
-def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh, params_shardings: Any) -> Callable:
+def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh, params_shardings: Any,
+                   loss_chunk: int = 0) -> Callable:
     """Build `eval_loss(params, tokens_BT1) -> float32 mean cross-entropy`, jitted."""
 
     def eval_loss(params, tokens_BT1):
         inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
-        return cross_entropy(nnx.merge(graphdef, params)(inputs_BT), targets_BT)
+        return model_loss(nnx.merge(graphdef, params), inputs_BT, targets_BT, use_l2wrap=False,
+                          loss_chunk=loss_chunk, with_grad=False)
 
     return jax.jit(eval_loss, in_shardings=(params_shardings, tokens_sharding(mesh)),
                    out_shardings=replicated(mesh))

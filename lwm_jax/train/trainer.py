@@ -108,8 +108,10 @@ def build_program(cfg: RunConfig) -> TrainProgram:
         jax.tree.map(lambda _: replicated(mesh), abstract_state), params=params_sh,
         opt_state=shard_like_params(abstract_state.opt_state, abstract_params, params_sh, mesh))
     train_step = make_train_step(graphdef, tx, lr_at, grad_accum=t.grad_accum,
-                                 use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh)
-    eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh)
+                                 use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh,
+                                 loss_chunk=t.loss_chunk)
+    eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh,
+                               loss_chunk=t.loss_chunk)
     return TrainProgram(cfg, policy, sizes, mesh, graphdef, axes, tx, lr_at, fresh_state,
                         abstract_state, state_sh, params_sh, train_step, eval_step)
 

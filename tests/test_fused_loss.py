@@ -1,0 +1,109 @@
+"""The fused, chunked loss (`train.loss.fused_lm_loss`): same value and gradients as the plain
+cross-entropy + L2Wrap on full logits, without ever holding `[B, T, V]` logits."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from lwm_jax import ModelConfig
+from lwm_jax.models.rwkv7 import RWKV7, head_fn
+from lwm_jax.precision import parse_policy
+from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
+from lwm_jax.train.step import model_loss
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("precision,use_l2wrap,chunk", [("fp32", True, 16),
+                                                         ("bf16-mixed", False, 24)])
+def test_fused_equals_plain_loss_value_and_every_gradient(precision, use_l2wrap, chunk):
+    cfg = ModelConfig(vocab_size=96, n_layer=1, n_embd=64, head_size=32)
+    model = RWKV7(cfg, precision, rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    # a head that is not ~0 at init, so the logits (and L2Wrap's argmax term) matter
+    params["head"][...] = 3 * jax.random.normal(jax.random.PRNGKey(2), params["head"].shape)
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 38), 0, 96)   # T = 37: ragged chunks
+
+    def loss(params, fused):
+        m = nnx.merge(graphdef, params)
+        return 1024.0 * model_loss(m, tokens[:, :-1], tokens[:, 1:], use_l2wrap=use_l2wrap,
+                                   loss_chunk=chunk if fused else 0)   # 1024: a loss scale
+
+    plain, g_plain = jax.jit(jax.value_and_grad(lambda p: loss(p, False)))(params)
+    fused, g_fused = jax.jit(jax.value_and_grad(lambda p: loss(p, True)))(params)
+    assert rel(fused, plain) < 1e-6
+    flat_p, flat_f = nnx.to_flat_state(g_plain), nnx.to_flat_state(g_fused)
+    for (path, gp), (_, gf) in zip(flat_p, flat_f):
+        gp, gf = gp.get_value(), gf.get_value()
+        assert gf.dtype == gp.dtype, path
+        if np.linalg.norm(np.asarray(gp, np.float64)) > 0:
+            assert rel(gf, gp) < (2e-5 if precision == "fp32" else 2e-2), path
+        else:
+            np.testing.assert_array_equal(gf, gp)
+
+
+def test_l2wrap_term_reaches_the_head_through_the_fused_loss():
+    """With and without L2Wrap the fused gradients differ exactly as the plain ones do."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 9, 8)), jnp.float32)
+    hp = (jnp.ones(8), jnp.zeros(8), jnp.asarray(rng.normal(size=(8, 11)) * 4, jnp.float32))
+    tgt = jnp.asarray(rng.integers(0, 11, (2, 9)))
+    fn = head_fn(parse_policy("fp32"))
+
+    def grads(use, fused):
+        if fused:
+            f = lambda x, hp: fused_lm_loss(fn, x, hp, tgt, chunk_tokens=6, use_l2wrap=use)  # noqa
+        else:
+            f = lambda x, hp: lm_loss(fn(x, hp), tgt, use_l2wrap=use)  # noqa
+        return jax.grad(f, argnums=(0, 1))(x, hp)
+
+    for fused in (False, True):
+        d_on, d_off = grads(True, fused), grads(False, fused)
+        if not fused:
+            ref = jax.tree.map(lambda a, b: a - b, d_on, d_off)
+        else:
+            got = jax.tree.map(lambda a, b: a - b, d_on, d_off)
+    # differences of two float32 gradients: compare against a tolerance far below the term
+    atol = 2e-7
+    assert float(jnp.abs(ref[1][2]).max()) > 100 * atol
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=1e-3, atol=atol)
+
+
+def test_eval_chunks_equal_full_cross_entropy():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(3, 23, 8)), jnp.float32)
+    hp = (jnp.ones(8), jnp.zeros(8), jnp.asarray(rng.normal(size=(8, 13)), jnp.float32))
+    tgt = jnp.asarray(rng.integers(0, 13, (3, 23)))
+    fn = head_fn(parse_policy("fp32"))
+    full = cross_entropy(fn(x, hp), tgt)
+    for chunk in (3, 7, 69, 1000):
+        assert rel(chunked_cross_entropy(fn, x, hp, tgt, chunk_tokens=chunk), full) < 1e-6
+
+
+def test_fused_loss_never_holds_the_full_logits():
+    """XLA's buffer assignment: the fused step's temporaries stay far below one [B, T, V] f32
+    logits array, while the plain loss needs several of them."""
+    B, T, C, V = 4, 2048, 64, 32768
+    fn = head_fn(parse_policy("bf16-mixed"))
+    x = jax.ShapeDtypeStruct((B, T, C), jnp.bfloat16)
+    hp = (jax.ShapeDtypeStruct((C,), jnp.float32),) * 2 + (jax.ShapeDtypeStruct((C, V),
+                                                                                jnp.float32),)
+    tgt = jax.ShapeDtypeStruct((B, T), jnp.int32)
+
+    def temp_bytes(f):
+        g = jax.jit(jax.grad(f, argnums=(0, 1)))
+        return g.lower(x, hp, tgt).compile().memory_analysis().temp_size_in_bytes
+
+    logits_bytes = B * T * V * 4
+    plain = temp_bytes(lambda x, hp, t: lm_loss(fn(x, hp), t, use_l2wrap=True))
+    fused = temp_bytes(lambda x, hp, t: fused_lm_loss(fn, x, hp, t, chunk_tokens=1024,
+                                                      use_l2wrap=True))
+    assert plain >= 2 * logits_bytes
+    assert fused <= logits_bytes / 2, (fused / 2**20, logits_bytes / 2**20)
