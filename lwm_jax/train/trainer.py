@@ -16,7 +16,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import yaml
 from flax import nnx
 from tqdm.auto import tqdm
 
@@ -35,6 +34,7 @@ from lwm_jax.train.params import count_params, split_model
 from lwm_jax.train.sharding import (make_mesh, param_shardings, replicated, shard_like_params,
                                     tokens_sharding)
 from lwm_jax.train.signals import StopRequest
+from lwm_jax.user_input import load_yaml_file, short
 from lwm_jax.train.step import TrainState, make_eval_step, make_train_step
 
 
@@ -262,17 +262,18 @@ def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
     """Refuse to resume a run dir whose checkpoints hold another model shape or precision."""
     if not os.path.isfile(saved_path) or not os.path.isdir(cfg.checkpoint_dir):
         return
-    with open(saved_path, encoding="utf-8") as f:
-        saved = yaml.safe_load(f) or {}
+    saved = load_yaml_file(saved_path) or {}
+    if not isinstance(saved, dict):
+        raise ValueError(f"{saved_path}: expected a mapping of config sections; fix or remove it")
     new = cfg.to_dict()
     for key in ("model", "precision"):
         old_value = saved.get(key)
         if old_value is not None and old_value != new[key]:
             if isinstance(old_value, dict):
                 diff = sorted(k for k in new[key] if old_value.get(k) != new[key][k])
-                what = ", ".join(f"model.{k}={old_value.get(k)!r}" for k in diff)
+                what = ", ".join(f"model.{k}={short(old_value.get(k))}" for k in diff)
             else:
-                what = f"{key}={old_value!r}"
+                what = f"{key}={short(old_value)}"
             raise ValueError(f"run_dir: {cfg.resolved_run_dir} holds checkpoints of a run with "
                              f"{what}; resume with the same settings or choose a new run_dir")
 
