@@ -6,19 +6,25 @@ through `Policy.einsum`, which passes `precision=` explicitly.
 
 Presets (names accepted by `parse_policy`):
 
-| name         | params | compute | output | matmul    | loss scale |
-|--------------|--------|---------|--------|-----------|------------|
-| `fp32`       | f32    | f32     | f32    | highest   | none       |
-| `fp32-fast`  | f32    | f32     | f32    | default   | none       |
-| `bf16-mixed` | f32    | bf16    | f32    | default   | none       |
-| `fp16-mixed` | f32    | f16     | f32    | default   | dynamic    |
-| `bf16`       | bf16   | bf16    | f32    | default   | none       |
+| name         | params | compute | output | matmul    | WKV matmul | loss scale |
+|--------------|--------|---------|--------|-----------|------------|------------|
+| `fp32`       | f32    | f32     | f32    | highest   | highest    | none       |
+| `fp32-fast`  | f32    | f32     | f32    | default   | high       | none       |
+| `bf16-mixed` | f32    | bf16    | f32    | default   | high       | none       |
+| `fp16-mixed` | f32    | f16     | f32    | default   | high       | dynamic    |
+| `bf16`       | bf16   | bf16    | f32    | default   | high       | none       |
+
+The WKV matmul precision is the precision of the chunked WKV7's in-chunk products (its state
+and accumulation are fp32 always): `high` is TF32 on GPU (the kernel's measured accuracy is at
+the bf16 output rounding) and three bf16 passes on TPU (one pass, `default`, would round the
+decayed keys to 8 bits); `highest` is IEEE fp32 everywhere.
 
 `fp32` is true IEEE fp32 even on TPU and H100 (`highest` = no bf16 passes, no TF32).
 `fp32-fast` keeps fp32 storage but lets XLA use its default (bf16 passes on TPU, TF32 on GPU).
 
-Levanter/jmp-style strings are accepted too: `p=f32,c=bf16[,o=f32][,m=highest][,s=dynamic]`
-(keys p=param, c=compute, o=output, m=matmul precision, s=loss scale).
+Levanter/jmp-style strings are accepted too: `p=f32,c=bf16[,o=f32][,m=highest][,w=high][,s=dynamic]`
+(keys p=param, c=compute, o=output, m=matmul precision, w=WKV matmul precision (default: highest
+when m=highest, else high), s=loss scale).
 
 Whatever the policy, the fp32 islands (RWKV-7 decay, WKV state, norm statistics, `kk`
 normalisation, logits and loss, optimizer moments) are computed in float32 by the modules that
@@ -54,6 +60,9 @@ class Policy:
       matmul_precision: XLA precision name ("default" | "high" | "highest"), passed explicitly to
         every einsum/dot.
       loss_scale: "none" or "dynamic" (fp16 training: see `DynamicLossScale`).
+      wkv_precision: precision name of the WKV7 op's in-chunk matmuls (passed to
+        `lwm_jax.ops.wkv7(..., precision=)`); None = "highest" if `matmul_precision` is
+        "highest", else "high".
     """
 
     name: str
@@ -62,8 +71,15 @@ class Policy:
     output_dtype: Any = jnp.float32
     matmul_precision: str = "highest"
     loss_scale: str = "none"
+    wkv_precision: str | None = None
 
     def __post_init__(self):
+        if self.wkv_precision is None:
+            object.__setattr__(self, "wkv_precision",
+                               "highest" if self.matmul_precision == "highest" else "high")
+        if self.wkv_precision not in MATMUL_PRECISIONS:
+            raise ValueError(f"precision policy {self.name!r}: WKV matmul precision "
+                             f"{self.wkv_precision!r} is not one of {MATMUL_PRECISIONS}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"precision policy {self.name!r}: matmul precision "
                              f"{self.matmul_precision!r} is not one of {MATMUL_PRECISIONS}")
@@ -127,7 +143,7 @@ PRESETS: dict[str, Policy] = {
 }
 
 _KEYS = {"p": "param_dtype", "c": "compute_dtype", "o": "output_dtype",
-         "m": "matmul_precision", "s": "loss_scale"}
+         "m": "matmul_precision", "w": "wkv_precision", "s": "loss_scale"}
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -151,7 +167,8 @@ def parse_policy(spec: str | Policy) -> Policy:
         key, sep, value = (s.strip() for s in part.partition("="))
         if not sep or key not in _KEYS:
             raise ValueError(f"precision: bad part {part.strip()!r} in {spec!r}; keys are "
-                             "p=param, c=compute, o=output dtype, m=matmul precision, s=loss scale")
+                             "p=param, c=compute, o=output dtype, m=matmul precision, w=WKV matmul "
+                             "precision, s=loss scale")
         field = _KEYS[key]
         if field in fields:
             raise ValueError(f"precision: key {key}= given twice in {spec!r}")

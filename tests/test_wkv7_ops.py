@@ -221,14 +221,18 @@ def test_impl_dispatch(monkeypatch):
         wkv7(*xs, impl="pallas")
     calls = []
 
-    def fake_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype):
-        calls.append((initial_state, segment_ids.dtype, chunk_size, output_dtype))
+    def fake_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
+                    precision=None):
+        calls.append((initial_state, segment_ids.dtype, chunk_size, output_dtype, precision))
         return v * 2, jnp.zeros((1, 1, 8, 8))
 
     monkeypatch.setattr(wkv7_op, "_load_pallas", lambda: (fake_pallas, None))
-    o = wkv7(*xs, impl="pallas", chunk_size=32, segment_ids=np.zeros((1, 20), np.int64))
+    o = wkv7(*xs, impl="pallas", chunk_size=32, segment_ids=np.zeros((1, 20), np.int64),
+             precision="high")
     assert np.array_equal(o, xs[3] * 2)
-    assert calls == [(None, jnp.int32, 32, jnp.dtype(jnp.float32))]
+    assert calls == [(None, jnp.int32, 32, jnp.dtype(jnp.float32), "high")]
+    with pytest.raises(ValueError, match=r"wkv7: precision must be None or one of"):
+        wkv7(*xs, precision="tf32")
 
 
 def _bad(i, x):

@@ -140,7 +140,7 @@ def test_lowers_to_mosaic_for_tpu():
     (dict(chunk_size=24), ValueError),
     (dict(segment_ids=jnp.zeros((1, 16), jnp.float32)), TypeError),
     (dict(initial_state=jnp.zeros((1, 2, 16, 8), jnp.float32)), ValueError),
-    (dict(precision="high"), ValueError),
+    (dict(precision="tf32"), ValueError),
 ])
 def test_bad_input_raises_one_clear_error(change, error):
     xs = dict(zip(NAMES, random_wkv7_inputs(0, 1, 16, 2, 16, 16)))

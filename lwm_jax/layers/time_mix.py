@@ -7,7 +7,8 @@ Python loop over layers and a `lax.scan` over the stacked arrays run exactly the
 Dtypes: activations, r/k/v/a/b and every projection run in `policy.compute_dtype` (all matmuls
 through `policy.einsum`, explicit precision, fp32 accumulation). Parameters are cast to the
 compute dtype before touching activations, so an fp32 parameter never promotes r/k/v/a/b (under
-`fp16-mixed` they all reach `wkv7` as float16). fp32 islands: the decay path
+`fp16-mixed` they all reach `wkv7` as float16), with `precision=policy.wkv_precision` for the
+WKV's in-chunk matmuls. fp32 islands: the decay path
 (`d = w0 + tanh(x_w @ w1) @ w2`, `w = -exp(-0.5) * sigmoid(d)`), the `kk` L2 normalisation, the
 WKV state and the `ln_x` GroupNorm statistics.
 """
@@ -154,7 +155,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
         tap(name, val)
     o, wkv_BHNN = wkv7(r4, heads(w), k4, v4, a_in, b_in,
                        initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
-                       chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd)
+                       chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
+                       precision=policy.wkv_precision)
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
 

@@ -39,14 +39,15 @@ _HIGHEST = jax.lax.Precision.HIGHEST
 MAX_SUB_BLOCK = 16
 
 
-def unit_lower_inverse(A_CC):
+def unit_lower_inverse(A_CC, precision=_HIGHEST):
     """`(I - A)^{-1}` for strictly lower triangular `A` `[..., C, C]` (float32), by matmuls only:
     the blocked form of `lwm_jax.ops.tril_inverse` (see there for why not a plain doubling
     product), in IEEE fp32. Matmuls instead of a LAPACK triangular solve: the same algebra as
     the Pallas kernels, and no LAPACK custom call on CPU (whose batched form can deadlock
     XLA:CPU's intra-op pool on small machines).
     """
-    return tril_inverse.unit_lower_inverse(A_CC, lambda x, y: _mm("...ij,...jk->...ik", x, y))
+    return tril_inverse.unit_lower_inverse(
+        A_CC, lambda x, y: _mm("...ij,...jk->...ik", x, y, precision=precision))
 
 
 def sub_block_size(chunk_size: int) -> int:
@@ -54,8 +55,8 @@ def sub_block_size(chunk_size: int) -> int:
     return max(d for d in range(1, min(chunk_size, MAX_SUB_BLOCK) + 1) if chunk_size % d == 0)
 
 
-def _mm(spec, *xs):
-    return jnp.einsum(spec, *xs, precision=_HIGHEST, preferred_element_type=jnp.float32)
+def _mm(spec, *xs, precision=_HIGHEST):
+    return jnp.einsum(spec, *xs, precision=precision, preferred_element_type=jnp.float32)
 
 
 def _interval_sums(x, rel):
@@ -122,7 +123,7 @@ def _earlier_block_decays(sums):
     return jnp.exp(expo_IJSK).reshape(*batch, nb, nb * c, K)
 
 
-def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict):
+def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict, precision):
     """`P[..., t, s] = sum_k x_t e^{G(t, s)} y_s` over pairs s < t (strict) or s <= t, else 0.
 
     G(t, s) is the sum of w over (s, t - 1] (strict) or (s, t] (not strict).
@@ -141,7 +142,8 @@ def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict):
     # Same sub-block: exact pairwise decays, exponent masked to 0 outside the triangle (safe grads).
     diff_NTSK = x_log[..., :, :, None, :] - sums["inc"][..., :, None, :, :]
     xdec_NTSK = x_NCK[..., :, :, None, :] * jnp.exp(jnp.where(tri[:, :, None], diff_NTSK, 0.0))
-    diag = [jnp.where(tri, _mm("...tsk,...sk->...ts", xdec_NTSK, y), 0.0) for y in ys]
+    diag = [jnp.where(tri, _mm("...tsk,...sk->...ts", xdec_NTSK, y, precision=precision), 0.0)
+            for y in ys]
     if nb == 1:
         return tuple(d.reshape(*batch, C, C) for d in diag)
     # Earlier sub-block j < i: decay = e^{x_log_t} (within block i) * earlier_decay[i, s].
@@ -152,14 +154,15 @@ def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict):
     out = []
     for y, d in zip(ys, diag):
         y_right = y.reshape(*batch, 1, C, K) * earlier_decay                      # [.., i, s, K]
-        off_ITJS = _mm("...itk,...isk->...its", x_left, y_right).reshape(*batch, nb, c, nb, c)
+        off_ITJS = _mm("...itk,...isk->...its", x_left, y_right,
+                       precision=precision).reshape(*batch, nb, c, nb, c)
         full_ITJS = jnp.where(same_blk, d[..., :, :, None, :],
                               jnp.where(earlier, off_ITJS, 0.0))
         out.append(full_ITJS.reshape(*batch, C, C))
     return tuple(out)
 
 
-def chunk_terms(r, w, k, v, a, b, masks, sub_block):
+def chunk_terms(r, w, k, v, a, b, masks, sub_block, precision=_HIGHEST):
     """Per-chunk quantities of the chunk-parallel WKV7, batched over leading dims.
 
     Args:
@@ -168,6 +171,8 @@ def chunk_terms(r, w, k, v, a, b, masks, sub_block):
         same_ts `[..., C, C]` (t and s in one document), m0 `[..., C]` (t still sees S_0),
         m_end `[..., C]` (s is in the chunk's last document).
       sub_block: sub-block length c (divides C).
+      precision: `jax.lax.Precision` of the products of the inputs (the WKV matmul precision);
+        the interval sums of the log-decays are always HIGHEST (exact fp32 on every backend).
 
     Returns:
       Q `[..., C, K]`, O_intra `[..., C, V]`, M `[..., K, K]`, S_intra `[..., K, V]` with
@@ -181,8 +186,8 @@ def chunk_terms(r, w, k, v, a, b, masks, sub_block):
     sums = _log_decay_sums(to_blk(w))
 
     earlier = _earlier_block_decays(sums)
-    A_ab, A_ak = _pair_products(a_b, (b_b, k_b), sums["exc"], sums, earlier, strict=True)
-    A_rb, A_rk = _pair_products(r_b, (b_b, k_b), sums["inc"], sums, earlier, strict=False)
+    A_ab, A_ak = _pair_products(a_b, (b_b, k_b), sums["exc"], sums, earlier, True, precision)
+    A_rb, A_rk = _pair_products(r_b, (b_b, k_b), sums["inc"], sums, earlier, False, precision)
     a_dec = to_seq(a_b * jnp.exp(sums["before_blk"][..., :, None, :] + sums["exc"]))
     r_dec = to_seq(r_b * jnp.exp(sums["before_blk"][..., :, None, :] + sums["inc"]))
     to_end = to_seq(jnp.exp(sums["after"] + sums["after_blk"][..., :, None, :]))
@@ -196,14 +201,15 @@ def chunk_terms(r, w, k, v, a, b, masks, sub_block):
         decay_all_K = jnp.where(m0[..., -1:], decay_all_K, 0.0)
 
     # U = W S_0 + U_v from the unit lower triangular system (I - A_ab) U = rhs.
-    inv_CC = unit_lower_inverse(A_ab)
-    W_CK = _mm("...ts,...sk->...tk", inv_CC, a_dec)
-    Uv_CV = _mm("...ts,...sv->...tv", inv_CC, _mm("...ts,...sv->...tv", A_ak, v))
+    mm = lambda spec, x, y: _mm(spec, x, y, precision=precision)  # noqa: E731
+    inv_CC = unit_lower_inverse(A_ab, precision)
+    W_CK = mm("...ts,...sk->...tk", inv_CC, a_dec)
+    Uv_CV = mm("...ts,...sv->...tv", inv_CC, mm("...ts,...sv->...tv", A_ak, v))
 
-    Q_CK = r_dec + _mm("...ts,...sk->...tk", A_rb, W_CK)
-    O_CV = _mm("...ts,...sv->...tv", A_rb, Uv_CV) + _mm("...ts,...sv->...tv", A_rk, v)
+    Q_CK = r_dec + mm("...ts,...sk->...tk", A_rb, W_CK)
+    O_CV = mm("...ts,...sv->...tv", A_rb, Uv_CV) + mm("...ts,...sv->...tv", A_rk, v)
     b_end, k_end = b * to_end, k * to_end
-    M_KK = decay_all_K[..., :, None] * jnp.eye(K, dtype=jnp.float32) + _mm(
+    M_KK = decay_all_K[..., :, None] * jnp.eye(K, dtype=jnp.float32) + mm(
         "...sk,...sj->...kj", b_end, W_CK)
-    S_KV = _mm("...sk,...sv->...kv", b_end, Uv_CV) + _mm("...sk,...sv->...kv", k_end, v)
+    S_KV = mm("...sk,...sv->...kv", b_end, Uv_CV) + mm("...sk,...sv->...kv", k_end, v)
     return Q_CK, O_CV, M_KK, S_KV

@@ -27,7 +27,6 @@ from jax.ad_checkpoint import checkpoint_name
 from lwm_jax.ops.segments import segment_counter
 from lwm_jax.ops.wkv7_chunk_math import chunk_terms, sub_block_size
 
-_HIGHEST = jax.lax.Precision.HIGHEST
 
 
 def _document_masks(segment_ids, B, NC, C, pad):
@@ -52,8 +51,9 @@ _SAVE = jax.checkpoint_policies.save_only_these_names("wkv7_chunk_states", "wkv7
 GROUP_BUDGET = 1 << 25   # float32 entries of one chunk group's largest temporary (128 MiB)
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_size", "output_dtype"))
-def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype):
+@functools.partial(jax.jit, static_argnames=("chunk_size", "output_dtype", "precision"))
+def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
+                 precision="highest"):
     """Chunk-parallel WKV7 (inputs already validated by `lwm_jax.ops.wkv7`).
 
     Args:
@@ -62,15 +62,19 @@ def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, outpu
       segment_ids: int `[B, T]` or None.
       chunk_size: C (static). Any C >= 1 works; 64 suits accelerators, 16-32 suits CPUs.
       output_dtype: dtype of `o` (static).
+      precision: matmul precision name of the input products ("default" | "high" |
+        "highest", static); the log-decay interval sums are always exact fp32.
 
     Returns:
       `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
     """
-    body = functools.partial(_chunked, chunk_size=chunk_size, output_dtype=output_dtype)
+    body = functools.partial(_chunked, chunk_size=chunk_size, output_dtype=output_dtype,
+                             precision=jax.lax.Precision(precision))
     return jax.checkpoint(body, policy=_SAVE)(r, w, k, v, a, b, initial_state, segment_ids)
 
 
-def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output_dtype):
+def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output_dtype,
+             precision):
     B, T, H, K = r.shape
     V = v.shape[-1]
     C = chunk_size
@@ -83,7 +87,7 @@ def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output
 
     r_c, w_c, k_c, v_c, a_c, b_c = (to_chunks(x) for x in (r, w, k, v, a, b))
     masks = None if segment_ids is None else _document_masks(segment_ids, B, NC, C, pad)
-    terms = _grouped_chunk_terms((r_c, w_c, k_c, v_c, a_c, b_c), masks, C)
+    terms = _grouped_chunk_terms((r_c, w_c, k_c, v_c, a_c, b_c), masks, C, precision)
     Q_CK, O_CV, M_KK, S_KV = (checkpoint_name(x, "wkv7_chunk_terms") for x in terms)
 
     if initial_state is None:
@@ -93,20 +97,20 @@ def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output
 
     def step(S_BHKV, xs):
         M_BHKK, Sin_BHKV = xs
-        S_next = jnp.einsum("bhkj,bhjv->bhkv", M_BHKK, S_BHKV, precision=_HIGHEST,
+        S_next = jnp.einsum("bhkj,bhjv->bhkv", M_BHKK, S_BHKV, precision=precision,
                             preferred_element_type=jnp.float32) + Sin_BHKV
         return S_next, S_BHKV
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # [B, H, NC, ...] -> [NC, B, H, ...]
     S_final, S_start_NBHKV = jax.lax.scan(step, S0_BHKV, (chunk_major(M_KK), chunk_major(S_KV)))
     S_start = checkpoint_name(jnp.moveaxis(S_start_NBHKV, 0, 2), "wkv7_chunk_states")  # [B,H,NC,K,V]
-    o_BHNCV = jnp.einsum("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=_HIGHEST,
+    o_BHNCV = jnp.einsum("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=precision,
                          preferred_element_type=jnp.float32) + O_CV
     o_BTHV = o_BHNCV.transpose(0, 2, 3, 1, 4).reshape(B, NC * C, H, V)[:, :T]
     return o_BTHV.astype(output_dtype), S_final
 
 
-def _grouped_chunk_terms(inputs, masks, C):
+def _grouped_chunk_terms(inputs, masks, C, precision):
     """`chunk_terms` of every chunk, computed over groups of G chunks with `lax.map`.
 
     inputs: r, w, k, v, a, b as `[B, H, NC, C, D]` float32; masks: None or arrays shaped
@@ -120,7 +124,7 @@ def _grouped_chunk_terms(inputs, masks, C):
     cap = max(1, GROUP_BUDGET // per_chunk)
     G = max(d for d in range(1, min(NC, cap) + 1) if NC % d == 0)
     if G == NC:
-        return chunk_terms(*inputs, masks, c)
+        return chunk_terms(*inputs, masks, c, precision)
     NG = NC // G
 
     def split(x):   # [B, H, NC, ...] -> [NG, B, H, G, ...]
@@ -129,7 +133,7 @@ def _grouped_chunk_terms(inputs, masks, C):
     def merge(x):   # [NG, B, H, G, ...] -> [B, H, NC, ...]
         return jnp.moveaxis(x, 0, 2).reshape(*x.shape[1:3], NC, *x.shape[4:])
 
-    group = jax.checkpoint(lambda xs_ms: chunk_terms(*xs_ms[0], xs_ms[1], c))
+    group = jax.checkpoint(lambda xs_ms: chunk_terms(*xs_ms[0], xs_ms[1], c, precision))
     groups = (tuple(split(x) for x in inputs),
               None if masks is None else tuple(split(m) for m in masks))
     return tuple(merge(x) for x in jax.lax.map(group, groups))

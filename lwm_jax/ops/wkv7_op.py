@@ -39,10 +39,17 @@ def _resolve_impl(impl: str) -> str:
     return impl
 
 
-def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, output_dtype):
+PRECISIONS = ("default", "high", "highest")
+
+
+def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, output_dtype,
+              precision=None):
     """Check shapes, dtypes and options; return the output dtype. One-line errors."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"wkv7: impl must be one of {IMPLS}, got {impl!r}")
+    if precision is not None and precision not in PRECISIONS:
+        raise ValueError(f"wkv7: precision must be None or one of {PRECISIONS}, got "
+                         f"{precision!r}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
                                    or chunk_size < 1):
         raise ValueError(f"wkv7: chunk_size must be None (the implementation's default) or an "
@@ -62,7 +69,7 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
 
 
 def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,
-         chunk_size=None, impl="auto", output_dtype=None):
+         chunk_size=None, impl="auto", output_dtype=None, precision=None):
     """RWKV-7 WKV (generalized delta rule) over a sequence, FLA layout.
 
     Args:
@@ -79,12 +86,18 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
       impl: "recurrent" (token scan), "chunked" (chunk-parallel JAX), "pallas" (kernel), or
         "auto" (pallas on GPU/TPU when it imports, else chunked).
       output_dtype: dtype of `o` (default: v.dtype). Arithmetic is float32 whatever it is.
+      precision: matmul precision of the chunked forms' products ("default" | "high" |
+        "highest"; the model passes `Policy.wkv_precision`). "chunked": as XLA defines it per
+        backend; Pallas GPU: "default"/"high" = TF32, "highest" = IEEE fp32; Pallas TPU:
+        "default" = one bf16 pass, "high"/"highest" = fp32. None = the implementation's own
+        default (chunked and TPU: "highest"; GPU: "highest" for float32 inputs, else TF32).
+        "recurrent" has no matmuls: exact fp32 whatever this says.
 
     Returns:
       `o [B, T, H, V]`, or `(o, final_state [B, H, K, V] float32)` when `return_state`.
     """
     out_dtype = _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl,
-                          output_dtype)
+                          output_dtype, precision)
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
     if initial_state is not None:
@@ -94,9 +107,10 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
         o, state = wkv7_recurrent(r, w, k, v, a, b, initial_state, segment_ids, out_dtype)
     elif chosen == "chunked":
         o, state = wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids,
-                                chunk_size or CHUNKED_DEFAULT_CHUNK, out_dtype)
+                                chunk_size or CHUNKED_DEFAULT_CHUNK, out_dtype,
+                                precision or "highest")
     else:
         wkv7_pallas = _load_pallas()[0]
         o, state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,
-                               out_dtype)
+                               out_dtype, precision=precision)
     return (o, state) if return_state else o

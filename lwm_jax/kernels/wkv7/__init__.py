@@ -49,7 +49,7 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
 
     Args: as `wkv7_gpu` (see `gpu.py`); `chunk_size` None picks the backend's default (GPU and
     the CPU interpreter: 32, the GPU kernel's measured fastest; TPU: 64, as before).
-    `precision` ("default" | "highest" | None) is passed to the backend kernel (None: the
+    `precision` ("default" | "high" | "highest" | None) is passed to the backend kernel (None: the
     backend's default; on GPU "highest" for float32 inputs, else TF32). `interpret`: None
     picks the interpreter on CPU only. `tuning` applies to the GPU.
     """

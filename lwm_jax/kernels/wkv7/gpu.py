@@ -26,7 +26,9 @@ from lwm_jax.kernels.wkv7.gpu_kernels import Tuning, resolve
 MAX_K = 64  # larger key sizes are untested (V = 128 in one program exceeded an H200's 227 KiB
             # of shared memory at C = 64, so K = 128 very likely does too)
 MAX_V = 64  # larger value sizes are split into column blocks of MAX_V
-PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "highest": jax.lax.Precision.HIGHEST}
+# Pallas-Triton runs DEFAULT and HIGH as TF32 tensor-core matmuls, HIGHEST as IEEE fp32.
+PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
+              "highest": jax.lax.Precision.HIGHEST}
 
 
 class _Cfg(NamedTuple):
@@ -121,8 +123,9 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
         B, T, H, D = 4, 4096, 32, 64 on an H200 (benchmarks/RESULTS.md, 2026-11-21 second
         section); C = 64 (row-form two-launch backward) took 6.85 ms in an earlier call.
       output_dtype: dtype of `o` (default: v's dtype).
-      precision: "default" (TF32 tensor-core matmuls, fp32 accumulation) or "highest" (IEEE fp32
-        matmuls: the exact mode). None picks "highest" for float32 inputs, else "default".
+      precision: "default" or "high" (TF32 tensor-core matmuls, fp32 accumulation) or "highest"
+        (IEEE fp32 matmuls: the exact mode). None picks "highest" for float32 inputs, else
+        "default".
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       tuning: a `Tuning` (launch parameters) or None for the defaults.
 

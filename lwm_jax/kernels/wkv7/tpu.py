@@ -22,7 +22,10 @@ from lwm_jax.kernels.wkv7.tpu_fwd import wkv7_fwd_pallas
 from lwm_jax.ops.wkv7_checks import INPUT_DTYPES as _FLOATS
 from lwm_jax.ops.wkv7_checks import check_wkv7_inputs
 
-_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
+# Mosaic lowers DEFAULT (one bf16 MXU pass) and HIGHEST (full fp32); "high" (3 bf16 passes in
+# XLA) runs as HIGHEST here: never less precise than asked.
+_PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGHEST,
+               "default": jax.lax.Precision.DEFAULT}
 
 
 class _Config(NamedTuple):
