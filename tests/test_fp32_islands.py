@@ -1,5 +1,9 @@
-"""fp32 islands of RWKV-7: each test shows the error bf16/f16 makes without the island, then that
-the module's own function keeps the error small under low-precision compute.
+"""fp32 islands of RWKV-7: each test runs the library's own code twice, once as it is and once
+with the island's function replaced, where the model looks it up, by the same math in the
+compute dtype ("without the island"). The second run must be far off a float64 reference and
+the first close to it: that shows both that the island is needed and that it is on the path the
+model really takes (a library that bypassed the island function would fail the first half or
+no longer degrade in the second).
 
 Islands: (a) decay w, (b) WKV state, (c) LayerNorm/GroupNorm statistics, (d) kk normalisation,
 (e) logits and loss. Plus: under fp16-mixed, r/k/v/a/b reach the WKV op in one dtype (f16).
@@ -11,19 +15,21 @@ import importlib
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 
 from lwm_jax import PRESETS, ModelConfig
-from lwm_jax.layers.norms import group_norm, layer_norm
-from lwm_jax.layers.time_mix import decay_log, normalize_heads, time_mix_forward
+from lwm_jax.diagnostics.probe import Probe
+from lwm_jax.layers.norms import layer_norm
+from lwm_jax.layers.time_mix import DECAY_SCALE, decay_log, normalize_heads, time_mix_forward
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.testing import param_dict, randomize_params
 from lwm_jax.ops import wkv7_reference_np
 from lwm_jax.ops.wkv7_recurrent import recurrent_scan
+from lwm_jax.train.loss import cross_entropy, lm_loss
 
 time_mix_module = importlib.import_module("lwm_jax.layers.time_mix")  # where TimeMix finds wkv7
+model_module = importlib.import_module("lwm_jax.models.rwkv7")       # where RWKV7 finds ln0's LN
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # same shapes as tests/test_model.py, so a shared pytest process reuses compiled eager ops
 CFG = ModelConfig(vocab_size=97, n_layer=3, n_embd=32, head_size=16, chunk_size=16)
@@ -45,31 +51,6 @@ def normal(seed, shape, dtype=F32, scale=1.0):
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, dtype)
 
 
-def test_a_decay_is_computed_in_fp32():
-    policy = PRESETS["bf16-mixed"]
-    C, R = 64, 16
-    p = {"w0": jnp.linspace(-8.0, 3.0, C, dtype=F32),       # the init's range of w0
-         "w1": normal(1, (C, R), scale=0.3), "w2": normal(2, (R, C), scale=0.1)}
-    x_w = normal(3, (1, 8, C), BF16)
-    x64, p64 = np.asarray(x_w, np.float64), jax.tree.map(lambda a: np.asarray(a, np.float64), p)
-    d64 = p64["w0"] + np.tanh(x64 @ p64["w1"]) @ p64["w2"]
-    w64 = -np.exp(-0.5) / (1 + np.exp(-d64))
-    # relative error of the log-decay = relative error of each channel's memory time 1/|w|
-    rel_max = lambda w: float(np.max(np.abs(np.asarray(w, np.float64) - w64) / np.abs(w64)))
-    # without the island: the same formula evaluated in bf16 (d rounded to bf16 spacing)
-    d_bf = p["w0"].astype(BF16) + jnp.tanh(x_w @ p["w1"].astype(BF16)) @ p["w2"].astype(BF16)
-    w_bf = -jnp.exp(jnp.asarray(-0.5, BF16)) * jax.nn.sigmoid(d_bf)
-    assert rel_max(w_bf) > 5e-3
-    w = decay_log(p, x_w, policy)
-    assert w.dtype == F32
-    assert rel_max(w) < 1e-5
-    # what that means over a long context: decay^T = exp(T w) for T = 4096 on the slow channels
-    T, slow = 4096, w64 > -1e-3
-    bad_T = np.abs(np.exp(T * np.asarray(w_bf, np.float64)) - np.exp(T * w64))[slow].max()
-    good_T = np.abs(np.exp(T * np.asarray(w, np.float64)) - np.exp(T * w64))[slow].max()
-    assert bad_T > 1e-2 and good_T < 1e-4
-
-
 def _capture_wkv7(monkeypatch):
     """Replace the WKV op TimeMix calls by a recorder around the real one."""
     calls = []
@@ -81,6 +62,53 @@ def _capture_wkv7(monkeypatch):
         return out
     monkeypatch.setattr(time_mix_module, "wkv7", recorder)
     return calls
+
+
+def _decay_in_compute_dtype(p, x_w_BTC, policy):
+    """`decay_log` without the island: the LoRA through the policy's compute-dtype matmuls
+    (`Policy.einsum`, the path of the a/v/g LoRAs), w0 and the sigmoid in the compute dtype."""
+    hidden = jnp.tanh(policy.einsum("btc,cr->btr", x_w_BTC, p["w1"]))
+    d = p["w0"].astype(policy.compute_dtype) + policy.einsum("btr,rc->btc", hidden, p["w2"])
+    return (-DECAY_SCALE * jax.nn.sigmoid(d)).astype(F32)
+
+
+def _decay_reaching_wkv(monkeypatch, island: bool):
+    """Run TimeMix (bf16-mixed) with or without the decay island; return the `w` it hands to
+    wkv7 and the float64 decay of the `x_w` and parameters it used."""
+    policy = PRESETS["bf16-mixed"]
+    C = CFG.n_embd
+    p = layer_params(policy)
+    p["w0"] = jnp.linspace(-8.0, 3.0, C, dtype=F32)          # the init's range of w0
+    p["w1"], p["w2"] = normal(1, p["w1"].shape, scale=0.3), normal(2, p["w2"].shape, scale=0.1)
+    seen = []
+    decay = decay_log if island else _decay_in_compute_dtype
+    monkeypatch.setattr(time_mix_module, "decay_log",
+                        lambda p_, x_w, pol: seen.append(x_w) or decay(p_, x_w, pol))
+    calls = _capture_wkv7(monkeypatch)
+    time_mix_forward(p, normal(3, (1, 8, C), BF16), jnp.zeros((1, C)), jnp.zeros((1, 2, 16, 16)),
+                     normal(4, (1, 8, C), BF16), first=False, policy=policy,
+                     head_size=CFG.head_size)
+    (x_w,), w = seen, calls[0]["args"][1]
+    assert w.dtype == F32
+    p64 = jax.tree.map(lambda a: np.asarray(a, np.float64), p)
+    d64 = p64["w0"] + np.tanh(np.asarray(x_w, np.float64) @ p64["w1"]) @ p64["w2"]
+    return np.asarray(w, np.float64).reshape(d64.shape), -np.exp(-0.5) / (1 + np.exp(-d64))
+
+
+def test_a_decay_is_computed_in_fp32(monkeypatch):
+    # relative error of the log-decay = relative error of each channel's memory time 1/|w|
+    rel_max = lambda w, w64: float(np.max(np.abs(w - w64) / np.abs(w64)))  # noqa: E731
+    # what that means over a long context: decay^T = exp(T w), T = 4096, on the slow channels
+    T = 4096
+    long_err = lambda w, w64: float(  # noqa: E731
+        np.abs(np.exp(T * w) - np.exp(T * w64))[w64 > -1e-3].max())
+    # without the island bf16 rounds d (spacing 1/16 at |d| ~ 8): w off by up to ~3%, decay^T
+    # by up to ~0.37 * 3% where T |w| ~ 1 (observed 0.038 and 0.012)
+    bad, bad64 = _decay_reaching_wkv(monkeypatch, island=False)
+    assert rel_max(bad, bad64) > 5e-3 and long_err(bad, bad64) > 5e-3
+    monkeypatch.undo()
+    good, good64 = _decay_reaching_wkv(monkeypatch, island=True)
+    assert rel_max(good, good64) < 1e-5 and long_err(good, good64) < 1e-4
 
 
 def test_b_wkv_state_is_fp32_over_a_long_sequence(monkeypatch):
@@ -108,25 +136,67 @@ def test_b_model_state_stays_fp32_under_bf16():
     assert {x.dtype for x in jax.tree.leaves(st)} == {jnp.dtype(F32)}
 
 
+def _norm_in_compute_dtype(x, weight, bias, groups, eps, out_dtype):
+    """LayerNorm / GroupNorm without the island: statistics and affine in x's dtype."""
+    xg = x.reshape(*x.shape[:-1], groups, -1)
+    mean = jnp.mean(xg, axis=-1, keepdims=True, dtype=x.dtype)
+    var = jnp.mean(jnp.square(xg - mean), axis=-1, keepdims=True, dtype=x.dtype)
+    y = ((xg - mean) * jax.lax.rsqrt(var + jnp.asarray(eps, x.dtype))).reshape(x.shape)
+    return (y * weight.astype(x.dtype) + bias.astype(x.dtype)).astype(out_dtype or x.dtype)
+
+
+def _norm_ref(x, weight, bias, groups, eps):
+    x64 = np.asarray(x, np.float64)
+    xg = x64.reshape(*x64.shape[:-1], groups, -1)
+    y = (xg - xg.mean(-1, keepdims=True)) / np.sqrt(xg.var(-1, keepdims=True) + eps)
+    return y.reshape(x64.shape) * np.asarray(weight, np.float64) + np.asarray(bias, np.float64)
+
+
+def _ln0_through_the_model(monkeypatch, island: bool):
+    """The bf16 model's ln0 on embeddings 300 + N(0, 2²) (large mean, spread ~ bf16's spacing
+    of 2 at 300): (probe 'ln0', float64 LayerNorm of probe 'emb')."""
+    model = RWKV7(CFG, "bf16", rngs=nnx.Rngs(0))
+    model.emb[...] = (300 + normal(9, model.emb[...].shape, scale=2.0)).astype(BF16)
+    model.ln0.weight[...] = (normal(7, (CFG.n_embd,), scale=0.5) + 1).astype(BF16)
+    model.ln0.bias[...] = normal(8, (CFG.n_embd,), scale=0.1).astype(BF16)
+    if not island:
+        monkeypatch.setattr(model_module, "layer_norm",
+                            lambda x, w, b, *, eps=1e-5, out_dtype=None:
+                            _norm_in_compute_dtype(x, w, b, 1, eps, out_dtype))
+    probe = Probe()
+    model(jnp.asarray(np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 8))), probe=probe)
+    taps = dict(probe.records)
+    return taps["ln0"], _norm_ref(taps["emb"], model.ln0.weight[...], model.ln0.bias[...], 1,
+                                  1e-5)
+
+
+def _ln_x_through_time_mix(monkeypatch, island: bool):
+    """TimeMix's ln_x (GroupNorm over heads, bf16-mixed) on a WKV output with a large common
+    offset: the state starts at 300 + N(0, 1). (probe 'ln_x', float64 GroupNorm of probe
+    'wkv_out')."""
+    policy = PRESETS["bf16-mixed"]
+    p = layer_params(policy)
+    C, N = CFG.n_embd, CFG.head_size
+    if not island:
+        monkeypatch.setattr(time_mix_module, "group_norm",
+                            lambda x, w, b, *, n_groups, eps, out_dtype=None:
+                            _norm_in_compute_dtype(x, w, b, n_groups, eps, out_dtype))
+    probe = Probe()
+    time_mix_forward(p, normal(4, (2, 8, C), BF16), jnp.zeros((2, C)),
+                     300 + normal(5, (2, C // N, N, N)), normal(6, (2, 8, C), BF16),
+                     first=False, policy=policy, head_size=N, probe=probe)
+    taps = dict(probe.records)
+    o = np.asarray(taps["wkv_out"], np.float64).reshape(2, 8, C)
+    return taps["ln_x"], _norm_ref(o, p["ln_x"]["weight"], p["ln_x"]["bias"], C // N, N * 1e-5)
+
+
 @pytest.mark.parametrize("kind", ["layer", "group"])
-def test_c_norm_statistics_in_fp32(kind):
-    C, G = 64, 4
-    weight, bias = normal(7, (C,), scale=0.5) + 1, normal(8, (C,), scale=0.1)
-    x = (300 + normal(9, (16, C), scale=2.0)).astype(BF16)   # large mean, spread ~ bf16 ulp
-    x64 = np.asarray(x, np.float64).reshape(16, G if kind == "group" else 1, -1)
-    ref = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) +
-                                                         (1e-5 if kind == "layer" else 16e-5))
-    ref = ref.reshape(16, C) * np.asarray(weight) + np.asarray(bias)
-    # without the island: statistics kept in bf16 (mean rounded to bf16's spacing of 2 at 300)
-    xb = x.reshape(16, G if kind == "group" else 1, -1)
-    mean = jnp.mean(xb, axis=-1, keepdims=True, dtype=BF16)
-    var = jnp.mean(jnp.square(xb - mean), axis=-1, keepdims=True, dtype=BF16)
-    bad = ((xb - mean) * jax.lax.rsqrt(var + 1e-5)).reshape(16, C) * weight.astype(BF16)
-    assert rel(bad + bias.astype(BF16), ref) > 0.1
-    if kind == "layer":
-        y = layer_norm(x, weight, bias, out_dtype=BF16)
-    else:
-        y = group_norm(x, weight, bias, n_groups=G, eps=16e-5, out_dtype=BF16)
+def test_c_norm_statistics_in_fp32(monkeypatch, kind):
+    run = _ln0_through_the_model if kind == "layer" else _ln_x_through_time_mix
+    bad, ref = run(monkeypatch, island=False)
+    assert rel(bad, ref) > 0.1                  # bf16 mean rounded to bf16's spacing of 2
+    monkeypatch.undo()
+    y, ref = run(monkeypatch, island=True)
     assert y.dtype == BF16 and rel(y, ref) < 5e-3
 
 
@@ -145,28 +215,45 @@ def test_d_kk_normalisation_in_fp32(scale):
     x = normal(11, (2, 3, 4, 16), F16, scale=scale)   # tiny: x² underflows f16; big: overflows
     x64 = np.asarray(x, np.float64)
     ref = x64 / np.linalg.norm(x64, axis=-1, keepdims=True)
-    # without the island: the same normalisation in f16 (sum of squares 0 or inf)
-    sumsq = jnp.sum(x * x, axis=-1, keepdims=True, dtype=F16)
-    bad = np.asarray(x / jnp.maximum(jnp.sqrt(sumsq), jnp.asarray(1e-12, F16)), np.float64)
-    assert not np.all(np.isfinite(bad)) or rel(bad, ref) > 0.5
     kk = normalize_heads(x)
     assert kk.dtype == F32 and rel(kk, ref) < 1e-6
 
 
-def test_d_time_mix_sends_unit_kk_to_wkv_under_fp16_with_tiny_keys(monkeypatch):
+def _normalize_in_f16(x, eps=1e-12):
+    """`normalize_heads` without the island: the same formula in float16."""
+    x = x.astype(F16)
+    sumsq = jnp.sum(x * x, axis=-1, keepdims=True, dtype=F16)
+    return (x * jax.lax.rsqrt(jnp.maximum(sumsq, jnp.asarray(eps * eps, F16)))).astype(F32)
+
+
+@pytest.mark.parametrize("keys", ["tiny", "huge"])
+def test_d_time_mix_sends_unit_kk_to_wkv_under_fp16(monkeypatch, keys):
+    """fp16-mixed TimeMix with keys ~1e-4 (k² underflows f16) or ~300 (the sum of k² overflows
+    it): `a = -kk` reaches the WKV with unit norm per head only thanks to the island."""
     policy = PRESETS["fp16-mixed"]
     p = layer_params(policy)
-    p["key"] = normal(12, p["key"].shape, scale=2e-5)         # keys ~1e-4: k² underflows f16
-    calls = _capture_wkv7(monkeypatch)
-    time_mix_forward(p, normal(13, (1, 8, CFG.n_embd), F16), jnp.zeros((1, CFG.n_embd)),
-                     jnp.zeros((1, 2, 16, 16)), normal(14, (1, 8, CFG.n_embd), F16), first=False,
-                     policy=policy, head_size=CFG.head_size)
-    r, w, k, v, a, b = calls[0]["args"]
-    norms = np.linalg.norm(np.asarray(a, np.float64), axis=-1)
-    assert np.all(np.isfinite(norms)) and np.abs(norms - 1).max() < 2e-3
+    p["key"] = normal(12, p["key"].shape, scale=2e-5 if keys == "tiny" else 50.0)
+
+    def a_norms(island):
+        if not island:
+            monkeypatch.setattr(time_mix_module, "normalize_heads", _normalize_in_f16)
+        calls = _capture_wkv7(monkeypatch)
+        time_mix_forward(p, normal(13, (1, 8, CFG.n_embd), F16), jnp.zeros((1, CFG.n_embd)),
+                         jnp.zeros((1, 2, 16, 16)), normal(14, (1, 8, CFG.n_embd), F16),
+                         first=False, policy=policy, head_size=CFG.head_size)
+        monkeypatch.undo()
+        r, w, k, v, a, b = calls[0]["args"]
+        return np.linalg.norm(np.asarray(a, np.float64), axis=-1)
+
+    bad = a_norms(island=False)
+    assert not np.all(np.isfinite(bad)) or np.abs(bad - 1).max() > 0.5
+    good = a_norms(island=True)
+    assert np.all(np.isfinite(good)) and np.abs(good - 1).max() < 2e-3
 
 
 def test_e_logits_and_loss_in_fp32():
+    """Logits island (`head_logits`: fp32 LayerNorm and head) and loss island
+    (`lwm_jax.train.loss`: fp32 logsumexp) on a 65536-way softmax with trained-like logits."""
     V, C, T = 65536, 32, 8
     model = RWKV7(ModelConfig(vocab_size=V, n_layer=1, n_embd=C, head_size=16), "bf16-mixed",
                   rngs=nnx.Rngs(0))
@@ -179,14 +266,29 @@ def test_e_logits_and_loss_in_fp32():
     xo = (x64 - x64.mean(-1, keepdims=True)) / np.sqrt(x64.var(-1, keepdims=True) + 1e-5)
     ref = xo @ np.asarray(model.head[...], np.float64)
     assert rel(logits, ref) < 1e-5
-    top = ref.max(-1, keepdims=True)
-    lse = np.log(np.exp(ref - top).sum(-1)) + top[..., 0]
-    ref_loss = lse - np.take_along_axis(ref, np.asarray(labels)[..., None], -1)[..., 0]
-    # without the island: bf16 logits and a bf16 loss over a 65536-way softmax (per token)
-    bad = optax.softmax_cross_entropy_with_integer_labels(logits.astype(BF16), labels)
-    assert np.abs(np.asarray(bad, np.float64) - ref_loss).max() > 1e-2
-    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    assert loss.dtype == F32 and np.abs(np.asarray(loss, np.float64) - ref_loss).max() < 1e-4
+
+    def loss64(z):                                   # float64 cross-entropy per token
+        z = np.asarray(z, np.float64)
+        top = z.max(-1, keepdims=True)
+        lse = np.log(np.exp(z - top).sum(-1)) + top[..., 0]
+        return lse - np.take_along_axis(z, np.asarray(labels)[..., None], -1)[..., 0]
+
+    def per_token(fn, z):                            # the library's mean loss, token by token
+        return np.array([float(fn(z[:, t:t + 1], labels[:, t:t + 1])) for t in range(T)])
+
+    ref_loss = loss64(ref)[0]
+    l2wrap_loss = lambda z, y: lm_loss(z, y, use_l2wrap=True)   # noqa: E731
+    # without the logits island: the loss of the logits rounded to bf16 is off by > 1e-2
+    bad = per_token(cross_entropy, logits.astype(BF16))
+    assert np.abs(bad - ref_loss).max() > 1e-2
+    # the loss island: bf16 logits are upcast, so the loss adds no error of its own to theirs
+    # (a bf16 logsumexp over 65536 terms would add ~1e-2)
+    assert cross_entropy(logits.astype(BF16), labels).dtype == F32
+    assert np.abs(bad - loss64(logits.astype(BF16))[0]).max() < 1e-4
+    # with both islands: the library's loss (plain and with L2Wrap) of the fp32 logits
+    for fn in (cross_entropy, l2wrap_loss):
+        assert fn(logits, labels).dtype == F32
+        assert np.abs(per_token(fn, logits) - ref_loss).max() < 1e-4
 
 
 @pytest.mark.parametrize("preset,dtype", [("fp16-mixed", F16), ("bf16-mixed", BF16),
