@@ -46,13 +46,16 @@ def _median_time(fn, reps: int) -> float:
 
 
 def bench_prefill(model, batch: int, length: int, reps: int) -> dict:
-    """Stateful forward over `[batch, length]` random tokens, returning the state (= prefill)."""
+    """Stateful forward over `[batch, length]` random tokens returning the logits of every
+    position and the state: the same work as the peer's `model(input_ids, use_cache=True)`
+    (benchmarks/peers/fla_generate.py). Earlier versions returned only the state, which let XLA
+    drop the LM head: those prefill numbers measured less work than FLA's."""
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     @jax.jit
     def prefill(params, tokens_BT):
         m = nnx.merge(graph, params, rest)
-        return m(tokens_BT, return_state=True)[1]
+        return m(tokens_BT, return_state=True)
 
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, model.cfg.vocab_size, (batch, length)), jnp.int32)

@@ -10,7 +10,7 @@ throughput does not depend on them.
 Needs torch with CUDA, transformers and the FLA wheels (`fla-core`, `flash-linear-attention`);
 the project itself never imports them.
 
-    PYTHONPATH=/tmp/site python3 benchmarks/peer_fla_generate.py
+    PYTHONPATH=/tmp/site python3 benchmarks/peers/fla_generate.py
 
 Prints one JSON line per measurement.
 """
