@@ -59,6 +59,19 @@ def make_data(args) -> None:
           f"-> {args.out}/batches.npy")
 
 
+def write_init(args) -> None:
+    """Only the initial weights (HF format) of the config, as `ours --init-hf` writes them."""
+    import jax
+    from lwm_jax.interop import hf
+    from lwm_jax.train.config import load_config
+    from lwm_jax.train.trainer import build_program
+    cfg = load_config(args.config, [*PARITY_OVERRIDES, *args.overrides])
+    state = build_program(cfg).init_state()
+    hf.write_hf(cfg.model.resolved(), jax.tree.map(np.asarray, state.params), args.init_hf,
+                dtype="f32")
+    print(f"initial weights -> {args.init_hf}", flush=True)
+
+
 def run_ours(args) -> None:
     import jax
     import jax.numpy as jnp
@@ -93,6 +106,7 @@ def run_ours(args) -> None:
             rec = {"step": i + 1, "loss": float(m["loss"]), "grad_norm": float(m["grad_norm"]),
                    "skipped_steps": int(m["skipped_steps"]), "time_s": round(time.time() - t0, 1)}
             f.write(json.dumps(rec) + "\n")
+            f.flush()
             if (i + 1) % 25 == 0 or i == 0:
                 print(json.dumps(rec), flush=True)
 
@@ -157,6 +171,10 @@ def main() -> None:
     o.add_argument("--random-tokens", action="store_true")
     o.add_argument("--out", required=True)
     o.add_argument("overrides", nargs="*")
+    i = sub.add_parser("init")
+    i.add_argument("--config", default="configs/rwkv7-0.1b.yaml")
+    i.add_argument("--init-hf", required=True)
+    i.add_argument("overrides", nargs="*")
     r = sub.add_parser("report")
     r.add_argument("--runs", nargs="+", required=True)
     r.add_argument("--every", type=int, default=25)
@@ -164,7 +182,7 @@ def main() -> None:
     r.add_argument("--png", default=None)
     r.add_argument("--title", default="RWKV-7 0.1B, ctx 4096, batch 8: train loss")
     args = ap.parse_args()
-    {"data": make_data, "ours": run_ours, "report": report}[args.cmd](args)
+    {"data": make_data, "ours": run_ours, "init": write_init, "report": report}[args.cmd](args)
 
 
 if __name__ == "__main__":

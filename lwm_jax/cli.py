@@ -41,7 +41,8 @@ DEBUG_VARS = ("LWM_DEBUG", "LWM_JAX_DEBUG")
 def train_main(args: argparse.Namespace) -> int:
     """`lwm-jax train`: load + validate the config; check the run directories, the memory and
     the data's recorded tokenizer before anything is allocated; then train. Returns the exit
-    status (3 when training diverged); raises ValueError (one line) for bad input."""
+    status (3 when training diverged, 130 / 143 when SIGINT / SIGTERM stopped it after its
+    checkpoint); raises ValueError (one line) for bad input."""
     from lwm_jax.train.config import check_memory_on_devices, load_config
 
     cfg = load_config(args.config, args.overrides)
@@ -62,6 +63,10 @@ def train_main(args: argparse.Namespace) -> int:
     if result.stopped_by == "non-finite":
         print(f"lwm-jax train: error: {one_line(result.diagnosis, 2000)}", file=sys.stderr)
         return 3
+    if result.stopped_by == "complete":                # the trainer said so; nothing written
+        return 0
+    if result.stopped_by in ("SIGINT", "SIGTERM"):   # the trainer said where it checkpointed
+        return 130 if result.stopped_by == "SIGINT" else 143
     val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
     print(f"lwm-jax train: step {result.step}, validation loss {val}, run dir {result.run_dir}")
     return 0

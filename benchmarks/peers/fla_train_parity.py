@@ -101,10 +101,11 @@ def main() -> None:
                 g["lr"] = lr * g["mult"]
             opt.step()
             opt.zero_grad(set_to_none=True)
-            rec = {"step": i + 1, "loss": float(loss), "grad_norm": float(grad_norm),
+            rec = {"step": i + 1, "loss": float(loss.detach()), "grad_norm": float(grad_norm),
                    "time_s": round(time.time() - t0, 1)}
             f.write(json.dumps(rec if math.isfinite(rec["loss"]) else {**rec, "loss": None})
                     + "\n")
+            f.flush()
             if (i + 1) % 25 == 0 or i == 0:
                 print(json.dumps(rec), flush=True)
 
