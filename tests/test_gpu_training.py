@@ -51,4 +51,5 @@ def test_chunked_fallback_step_compiles_within_the_gpu_memory():
     mem = prog.train_step.lower(prog.abstract_state, tokens).compile().memory_analysis()
     need = mem.temp_size_in_bytes + mem.argument_size_in_bytes + mem.output_size_in_bytes
     have = jax.devices()[0].memory_stats()["bytes_limit"]
+    print(f"chunked fallback train step: {need / 2**30:.1f} GiB of {have / 2**30:.1f} GiB")
     assert need < have, f"{need / 2**30:.1f} GiB needed, {have / 2**30:.1f} GiB on the device"
