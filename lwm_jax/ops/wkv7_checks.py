@@ -59,3 +59,17 @@ def check_wkv7_inputs(r, w, k, v, a, b, initial_state=None, segment_ids=None):
             raise TypeError(f"wkv7: segment_ids has dtype {segment_ids.dtype}; it must be an "
                             "integer type (int32)")
     return dtype
+
+
+def resolve_output_dtype(output_dtype, default, where: str):
+    """`output_dtype` as a numpy dtype (`default` when None); TypeError unless bf16/f16/f32."""
+    if output_dtype is None:
+        return jnp.dtype(default)
+    try:
+        out = jnp.dtype(output_dtype)
+    except TypeError:
+        out = None
+    if out not in INPUT_DTYPES:
+        raise TypeError(f"{where}: output_dtype must be bfloat16, float16 or float32, "
+                        f"got {output_dtype!r}")
+    return out

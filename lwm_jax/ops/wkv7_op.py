@@ -10,7 +10,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.ops.wkv7_checks import INPUT_DTYPES, check_wkv7_inputs
+from lwm_jax.ops.wkv7_checks import check_wkv7_inputs, resolve_output_dtype
 from lwm_jax.ops.wkv7_chunked import wkv7_chunked
 from lwm_jax.ops.wkv7_recurrent import wkv7_recurrent
 
@@ -56,16 +56,7 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
                          f"int >= 1, got {chunk_size!r}")
     dtype = check_wkv7_inputs(r, w, k, v, a, b, initial_state, segment_ids)
 
-    if output_dtype is None:
-        return dtype
-    try:
-        out = jnp.dtype(output_dtype)
-    except TypeError:
-        out = None
-    if out not in INPUT_DTYPES:
-        raise TypeError(f"wkv7: output_dtype must be bfloat16, float16 or float32, "
-                        f"got {output_dtype!r}")
-    return out
+    return resolve_output_dtype(output_dtype, dtype, "wkv7")
 
 
 def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lwm_jax.ops.wkv7_checks import INPUT_DTYPES, check_wkv7_inputs
+from lwm_jax.ops.wkv7_checks import check_wkv7_inputs, resolve_output_dtype
 from lwm_jax.ops.wkv7_op import IMPLS, PRECISIONS, _resolve_impl, wkv7
 
 DEFAULT_BATCH_AXES = ("data", "fsdp")
@@ -166,16 +166,7 @@ def _check_options(mesh, axis, batch_axes, head_axis, shape_BTHK, impl, chunk_si
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"wkv7_sequence_parallel: precision must be None or one of "
                          f"{PRECISIONS}, got {precision!r}")
-    if output_dtype is None:
-        return n, batch_axes, jnp.dtype(v_dtype)
-    try:
-        out = jnp.dtype(output_dtype)
-    except TypeError:
-        out = None
-    if out not in INPUT_DTYPES:
-        raise TypeError(f"wkv7_sequence_parallel: output_dtype must be bfloat16, float16 or "
-                        f"float32, got {output_dtype!r}")
-    return n, batch_axes, out
+    return n, batch_axes, resolve_output_dtype(output_dtype, v_dtype, "wkv7_sequence_parallel")
 
 
 def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
