@@ -2,13 +2,15 @@
 # The GPU half of the training-trust work (docs/precision-nan.md), as device calls of < 10 min.
 #
 #   bash tools/device_training_trust.sh tests    # GPU tests: 0.1B 100 steps, chunked memory, kernels
-#   bash tools/device_training_trust.sh ours     # parity: ours bf16-mixed + fp32 on text, bf16 on random
+#   bash tools/device_training_trust.sh ours     # parity: ours bf16-mixed on text and on random tokens
+#   bash tools/device_training_trust.sh fp32     # parity: ours fp32 on text (IEEE matmuls: ~5+ min)
 #   bash tools/device_training_trust.sh fla      # parity: FLA from the same initial weights
 #
 # Needs (carried in .peer/): the fla-core, flash-linear-attention and einops wheels, and
 # .peer/parity/batches.npy from `python benchmarks/train_parity.py data --out .peer/parity`.
 # `ours` writes the initial weights to /tmp/parity/init_hf, which `fla` reads: run them on the
-# same warm machine (or run `ours` first in the same call). Results land in $OUT.
+# same warm machine, or first `python3 benchmarks/train_parity.py init --init-hf /tmp/parity/init_hf`
+# (the same deterministic initial weights). Results land in $OUT.
 set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
@@ -18,15 +20,18 @@ case "${1:-}" in
     python3 -m pytest -q tests/test_gpu_training.py tests/test_wkv7_pallas.py \
       tests/test_wkv7_aligned_keys.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
   ours)
-    for run in "bf16-mixed ours_bf16 --init-hf /tmp/parity/init_hf" "fp32 ours_fp32" \
+    for run in "bf16-mixed ours_bf16 --init-hf /tmp/parity/init_hf" \
                "bf16-mixed ours_bf16_random --random-tokens"; do
       set -- $run
       python3 benchmarks/train_parity.py ours --data .peer/parity --precision "$1" \
         --out "$OUT/$2.jsonl" "${@:3}" 2>&1 | tail -14
     done ;;
+  fp32)
+    python3 benchmarks/train_parity.py ours --data .peer/parity --precision fp32 \
+      --out "$OUT/ours_fp32.jsonl" 2>&1 | tail -14 ;;
   fla)
     python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl
     PYTHONPATH=/tmp/site:$PWD python3 benchmarks/peers/fla_train_parity.py --data .peer/parity \
       --init-hf /tmp/parity/init_hf --out "$OUT/fla_amp.jsonl" 2>&1 | tail -14 ;;
-  *) echo "usage: $0 tests|ours|fla" >&2; exit 2 ;;
+  *) echo "usage: $0 tests|ours|fp32|fla" >&2; exit 2 ;;
 esac
