@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lwm_jax.ops.wkv7_recurrent import _one_token
 from lwm_jax.diagnostics.nonfinite import describe, first_nonfinite, probed_forward, tap_stats
 from lwm_jax.train.config import load_config
 from lwm_jax.train.sharding import tokens_sharding
@@ -41,11 +42,8 @@ def state_norms(r, w, k, v, a, b):
     f = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731
     B, T, H, N = r.shape
 
-    def step(S, xs):
-        r_t, w_t, k_t, v_t, a_t, b_t = xs
-        sa = jnp.einsum("bhk,bhkv->bhv", a_t, S, precision="highest")
-        S = (jnp.exp(w_t)[..., None] * S + b_t[..., None] * sa[:, :, None, :]
-             + k_t[..., None] * v_t[:, :, None, :])
+    def step(S, xs):      # the op's own one-token step (lwm_jax.ops.wkv7_recurrent)
+        S, _ = _one_token(S, *xs)
         return S, jnp.sqrt(jnp.sum(S * S, axis=(2, 3)))
 
     S0 = jnp.zeros((B, H, N, N), jnp.float32)
