@@ -13,6 +13,10 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
   speed [--chunk C --tuning JSON] [--recurrent]
                             fwd and fwd+bwd ms on the 4 anchor shapes (bf16) and the pure-JAX
                             `recurrent` at (8,4096,12,64).
+  precision --names P ...   per kernel precision, float32 inputs: compile seconds and fwd+bwd ms at
+                            (8, 4096, 12, 64), and forward / gradient rel. error vs float64 at
+                            (1, 1024, 4, 64). Compile time is what a user of the `fp32` policy
+                            waits for before the first step.
   breakdown --shape B T H D each launch timed alone, for the launch variants listed below.
   sweep --variants JSON     intra_bwd / seq_fwd / seq_bwd alone for a list of `Tuning`s (one
                             process, shared inputs).
@@ -223,6 +227,33 @@ def cmd_speed(args):
         run(*SHAPES[0], label="recurrent", impl=rec)
 
 
+def cmd_precision(args):
+    jax, jnp = _jax()
+    from lwm_jax.kernels.wkv7 import wkv7_pallas
+    from lwm_jax.ops.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+    small = random_wkv7_inputs(jax.random.PRNGKey(11), 1, 1024, 4, 64, 64, jnp.float32)
+    do_small = jax.random.normal(jax.random.PRNGKey(12), (1, 1024, 4, 64), jnp.float32)
+    zeros = np.zeros((1, 4, 64, 64))
+    ref_o, _, ref_g = wkv7_reference_vjp_f64(small, None, None, np.asarray(do_small, np.float64),
+                                             zeros)
+    B, T, H, D = SHAPES[0]
+    big = random_wkv7_inputs(jax.random.PRNGKey(13), B, T, H, D, D, jnp.float32)
+    do_big = jax.random.normal(jax.random.PRNGKey(14), (B, T, H, D), jnp.float32)
+    for name in args.names:
+        op = lambda *x: wkv7_pallas(*x, None, args.chunk, None, precision=name)
+        fwd, fwdbwd = _vjp_fn(op, with_state=False)
+        t0 = time.perf_counter()
+        compiled = fwdbwd.lower(big, None, do_big, jnp.zeros((B, H, D, D))).compile()
+        compile_s = time.perf_counter() - t0
+        ms = bench(compiled, big, None, do_big, jnp.zeros((B, H, D, D))) * 1e3
+        (o, _), vjp = jax.vjp(jax.jit(lambda xs: op(*xs, None)), small)
+        grads = vjp((do_small, jnp.zeros((1, 4, 64, 64))))[0]
+        errs = {f"d{n}": float(f"{rel_err(g, ref_g[n]):.3e}") for n, g in zip(NAMES, grads)}
+        emit(case="precision", precision=name, C=args.chunk, compile_s=round(compile_s, 1),
+             fwdbwd_ms=round(ms, 3), shape=[B, T, H, D], rel_err_o=float(f"{rel_err(o, ref_o):.3e}"),
+             **errs)
+
+
 BREAKDOWN_VARIANTS = [  # (chunk, Tuning kwargs); None fields are filled by `resolve`
     (32, {}), (32, dict(bwd_form="rows")), (64, {}), (32, dict(split_bwd=True)), (64, dict(split_bwd=False)),
     (32, dict(split_out=True)), (32, dict(block_v_bwd=64)),
@@ -394,6 +425,9 @@ def main(argv=None):
     a.add_argument("--tuning", default=None, help="JSON dict of Tuning fields")
     a.add_argument("--shape-index", type=int, nargs="*", default=None,
                    help="run only these entries of SHAPES (default: all)")
+    a = sub.add_parser("precision")
+    a.add_argument("--names", nargs="+", default=["default", "tf32x3", "highest"])
+    a.add_argument("--chunk", type=int, default=32)
     a = sub.add_parser("breakdown")
     a.add_argument("--shape", type=int, nargs=4, default=list(SHAPES[1]))
     a.add_argument("--max-variants", type=int, default=99)
@@ -414,7 +448,7 @@ def main(argv=None):
         emit(case="env", jax=jax.__version__, jaxlib=jaxlib.__version__,
              device=str(jax.devices()[0].device_kind), backend=jax.default_backend())
     result = {"check": cmd_check, "accuracy": cmd_accuracy, "peer": cmd_peer,
-              "compare": cmd_compare, "speed": cmd_speed,
+              "compare": cmd_compare, "speed": cmd_speed, "precision": cmd_precision,
               "breakdown": cmd_breakdown, "sweep": cmd_sweep, "ptxas": cmd_ptxas}[args.cmd](args)
     return 1 if result else 0
 

@@ -19,6 +19,12 @@ and accumulation are fp32 always): `high` is TF32 on GPU (the kernel's measured 
 the bf16 output rounding) and three bf16 passes on TPU (one pass, `default`, would round the
 decayed keys to 8 bits); `highest` is IEEE fp32 everywhere.
 
+`tf32x3` (WKV only, opt-in: `w=tf32x3`) runs the GPU kernel's products as three TF32 tensor-core
+passes on split operands: fp32-level error at tensor-core speed (H200, fp32 inputs,
+(8, 4096, 12, 64) fwd+bwd: 8.6 ms vs 37.0 ms for `highest`, output error vs float64 3.0e-7 vs
+3.3e-7; benchmarks/RESULTS.md). Backends without it (XLA chunked form, TPU, the CPU
+interpreter) compute it as `highest`.
+
 `fp32` is true IEEE fp32 even on TPU and H100 (`highest` = no bf16 passes, no TF32).
 `fp32-fast` keeps fp32 storage but lets XLA use its default (bf16 passes on TPU, TF32 on GPU).
 
@@ -44,6 +50,7 @@ DTYPES: dict[str, Any] = {
     "f16": jnp.float16, "fp16": jnp.float16, "float16": jnp.float16,
 }
 MATMUL_PRECISIONS = ("default", "high", "highest")
+WKV_PRECISIONS = MATMUL_PRECISIONS + ("tf32x3",)
 LOSS_SCALES = ("none", "dynamic")
 
 
@@ -61,8 +68,8 @@ class Policy:
         every einsum/dot.
       loss_scale: "none" or "dynamic" (fp16 training: see `DynamicLossScale`).
       wkv_precision: precision name of the WKV7 op's in-chunk matmuls (passed to
-        `lwm_jax.ops.wkv7(..., precision=)`); None = "highest" if `matmul_precision` is
-        "highest", else "high".
+        `lwm_jax.ops.wkv7(..., precision=)`, one of `WKV_PRECISIONS`); None = "highest" if
+        `matmul_precision` is "highest", else "high".
     """
 
     name: str
@@ -77,9 +84,9 @@ class Policy:
         if self.wkv_precision is None:
             object.__setattr__(self, "wkv_precision",
                                "highest" if self.matmul_precision == "highest" else "high")
-        if self.wkv_precision not in MATMUL_PRECISIONS:
+        if self.wkv_precision not in WKV_PRECISIONS:
             raise ValueError(f"precision policy {self.name!r}: WKV matmul precision "
-                             f"{self.wkv_precision!r} is not one of {MATMUL_PRECISIONS}")
+                             f"{self.wkv_precision!r} is not one of {WKV_PRECISIONS}")
         if self.matmul_precision not in MATMUL_PRECISIONS:
             raise ValueError(f"precision policy {self.name!r}: matmul precision "
                              f"{self.matmul_precision!r} is not one of {MATMUL_PRECISIONS}")

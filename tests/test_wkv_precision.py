@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
@@ -81,3 +82,21 @@ def test_time_mix_hands_the_policy_precision_to_wkv7(monkeypatch):
         cfg = ModelConfig(vocab_size=32, n_layer=1, n_embd=32, head_size=16)
         RWKV7(cfg, name, rngs=nnx.Rngs(0))(jnp.zeros((1, 4), jnp.int32))
     assert seen == ["highest", "high"]
+
+
+def test_tf32x3_is_an_opt_in_wkv_precision_that_each_backend_can_run():
+    """`w=tf32x3` parses; the GPU kernel lowers it as the 3xTF32 dot algorithm; the XLA
+    chunked form and the CPU interpreter (no 3xTF32 on XLA:CPU) run it as HIGHEST, and the
+    result matches `highest` there exactly."""
+    from lwm_jax.kernels.wkv7 import PRECISIONS as GPU_PRECISIONS
+    assert parse_policy("p=f32,c=f32,w=tf32x3").wkv_precision == "tf32x3"
+    assert GPU_PRECISIONS["tf32x3"] == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    xs = random_wkv7_inputs(3, 1, 48, 2, 16, 16, jnp.float32)
+    for impl in ("chunked", "pallas"):
+        got = _dot_precisions(jax.make_jaxpr(
+            lambda *x: wkv7(*x, impl=impl, chunk_size=16, precision="tf32x3"))(*xs).jaxpr,
+            within="wkv7_")
+        assert got and all(p == (P.HIGHEST,) * 2 for p, _ in got), (impl, set(got))
+        a = wkv7(*xs, impl=impl, chunk_size=16, precision="tf32x3")
+        b = wkv7(*xs, impl=impl, chunk_size=16, precision="highest")
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

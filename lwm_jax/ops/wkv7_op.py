@@ -39,7 +39,7 @@ def _resolve_impl(impl: str) -> str:
     return impl
 
 
-PRECISIONS = ("default", "high", "highest")
+PRECISIONS = ("default", "high", "highest", "tf32x3")
 
 
 def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, output_dtype,
@@ -57,6 +57,11 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
     dtype = check_wkv7_inputs(r, w, k, v, a, b, initial_state, segment_ids)
 
     return resolve_output_dtype(output_dtype, dtype, "wkv7")
+
+
+def _xla_precision(precision):
+    """The XLA precision name the chunked form runs a WKV precision name at."""
+    return "highest" if precision in (None, "tf32x3") else precision
 
 
 def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,
@@ -78,9 +83,10 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
         "auto" (pallas on GPU/TPU when it imports, else chunked).
       output_dtype: dtype of `o` (default: v.dtype). Arithmetic is float32 whatever it is.
       precision: matmul precision of the chunked forms' products ("default" | "high" |
-        "highest"; the model passes `Policy.wkv_precision`). "chunked": as XLA defines it per
-        backend; Pallas GPU: "default"/"high" = TF32, "highest" = IEEE fp32; Pallas TPU:
-        "default" = one bf16 pass, "high"/"highest" = fp32. None = the implementation's own
+        "highest" | "tf32x3"; the model passes `Policy.wkv_precision`). "chunked": as XLA
+        defines it per backend ("tf32x3" = "highest"); Pallas GPU: "default"/"high" = TF32,
+        "highest" = IEEE fp32, "tf32x3" = three TF32 passes (fp32-level error); Pallas TPU:
+        "default" = one bf16 pass, "high"/"highest"/"tf32x3" = fp32. None = the implementation's own
         default (chunked and TPU: "highest"; GPU: "highest" for float32 inputs, else TF32).
         "recurrent" has no matmuls: exact fp32 whatever this says.
 
@@ -99,7 +105,7 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
     elif chosen == "chunked":
         o, state = wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids,
                                 chunk_size or CHUNKED_DEFAULT_CHUNK, out_dtype,
-                                precision or "highest")
+                                _xla_precision(precision))
     else:
         wkv7_pallas = _load_pallas()[0]
         o, state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,

@@ -49,7 +49,7 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
 
     Args: as `wkv7_gpu` (see `gpu.py`); `chunk_size` None picks the backend's default (GPU and
     the CPU interpreter: 32, the GPU kernel's measured fastest; TPU: 64, as before).
-    `precision` ("default" | "high" | "highest" | None) is passed to the backend kernel (None: the
+    `precision` ("default" | "high" | "highest" | "tf32x3" | None) is passed to the backend kernel (None: the
     backend's default; on GPU "highest" for float32 inputs, else TF32). `interpret`: None
     picks the interpreter on CPU only. `tuning` applies to the GPU.
     """
@@ -58,7 +58,8 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
         chunk_size = 64 if backend == "tpu" and not interpret else 32
     if backend == "tpu" and not interpret:
         from lwm_jax.kernels.wkv7.tpu import wkv7_tpu  # imported lazily: Mosaic TPU only
-        extra = {} if precision is None else {"precision": precision}
+        tpu_precision = "highest" if precision == "tf32x3" else precision   # no TF32 on TPU
+        extra = {} if precision is None else {"precision": tpu_precision}
         return wkv7_tpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
                         **extra)
     if interpret is None:

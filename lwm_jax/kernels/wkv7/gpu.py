@@ -28,7 +28,8 @@ MAX_K = 64  # larger key sizes are untested (V = 128 in one program exceeded an 
 MAX_V = 64  # larger value sizes are split into column blocks of MAX_V
 # Pallas-Triton runs DEFAULT and HIGH as TF32 tensor-core matmuls, HIGHEST as IEEE fp32.
 PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HIGH,
-              "highest": jax.lax.Precision.HIGHEST}
+              "highest": jax.lax.Precision.HIGHEST,
+              "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 class _Cfg(NamedTuple):
@@ -124,8 +125,10 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
         section); C = 64 (row-form two-launch backward) took 6.85 ms in an earlier call.
       output_dtype: dtype of `o` (default: v's dtype).
       precision: "default" or "high" (TF32 tensor-core matmuls, fp32 accumulation) or "highest"
-        (IEEE fp32 matmuls: the exact mode). None picks "highest" for float32 inputs, else
-        "default".
+        (IEEE fp32 matmuls: the exact mode) or "tf32x3" (each fp32 operand split into two TF32
+        halves, three tensor-core products: fp32-level error at tensor-core speed; the
+        interpreter, which runs on XLA:CPU, computes it as "highest"). None picks "highest" for
+        float32 inputs, else "default".
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       tuning: a `Tuning` (launch parameters) or None for the defaults.
 
@@ -150,7 +153,8 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
     else:
         s0 = initial_state.astype(jnp.float32)
     n = None if segment_ids is None else chunk_reset_counter(segment_ids, T_pad, C)
-    cfg = _Cfg(H=H, C=C, prec=PRECISIONS[precision], out_dtype=out_dtype,
+    prec = PRECISIONS["highest" if interpret and precision == "tf32x3" else precision]
+    cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype,
                tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret))
     if V <= MAX_V:
         o, sT = _core(r, w, k, v, a, b, s0, n, cfg)
