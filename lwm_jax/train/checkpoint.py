@@ -10,9 +10,18 @@ every file is on disk, and `latest_step()` never returns a temporary directory, 
 mid-save (even by SIGKILL) resumes from the newest COMPLETE checkpoint. Saves are asynchronous
 when `checkpoint.async` is true (the step loop continues while a background thread writes);
 `wait()` blocks until the last save is durable.
+
+A save that fails for lack of space (at once, or later in the background thread, which then
+surfaces in the next `save`/`wait`) raises `CheckpointWriteError`: one line naming the directory
+and the newest complete checkpoint, the one a rerun resumes from. Orbax's unfinished `<step>.orbax-checkpoint-tmp` directory stays
+behind and is removed by the next save of that step, so freeing space and running the same
+command again resumes.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import logging
 import os
 from typing import Any
 
@@ -22,6 +31,36 @@ import orbax.checkpoint as ocp
 from lwm_jax.diagnostics.nonfinite import nonfinite_params
 from lwm_jax.loss_scale import all_finite
 from lwm_jax.train.config import CheckpointSection
+
+
+_NO_SPACE = ("No space left on device", "os_error_code='28'", "Disk quota exceeded",
+             "os_error_code='122'")
+
+
+class CheckpointWriteError(OSError):
+    """A checkpoint could not be written (disk full or quota exceeded). `exit_status` 2: the
+    CLI prints the message as its one line."""
+    exit_status = 2
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+class _DropFullDiskTracebacks(logging.Filter):
+    """Orbax logs a failed background write with full tracebacks (several records) before the
+    error reaches the caller, which reports it in one line (`CheckpointWriteError`): drop those
+    records, and only those (a full disk, or the writer thread's failure notice)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        texts = [str(record.msg)]
+        if record.exc_info and record.exc_info[1] is not None:
+            texts.append(str(record.exc_info[1]))
+        if "_SignalingThread.run() raised an exception" in texts[0]:
+            return False
+        return not any(s in t for t in texts for s in _NO_SPACE)
+
+
+logging.getLogger("absl").addFilter(_DropFullDiskTracebacks())
 
 
 class Checkpointer:
@@ -61,9 +100,34 @@ class Checkpointer:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise ValueError(f"checkpoint: refusing to save step {step} in {self.directory}: "
                              f"non-finite parameters ({shown}); the run diverged")
-        return self._manager.save(
-            step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                          data=ocp.args.JsonSave(data_state)), force=force)
+        with self._reporting_full_disk():   # an async save reports the previous one
+            return self._manager.save(
+                step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                              data=ocp.args.JsonSave(data_state)), force=force)
+
+    @contextlib.contextmanager
+    def _reporting_full_disk(self):
+        """Turn a full-disk failure inside the block into a `CheckpointWriteError`."""
+        try:
+            yield
+        except CheckpointWriteError:
+            raise
+        except Exception as err:
+            text = str(err)
+            full = (isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT)
+                    or any(s in text for s in _NO_SPACE))
+            if not full:
+                raise
+            try:
+                latest = self._manager.latest_step()
+            except Exception:
+                latest = None
+            lost = (f"no checkpoint after step {latest} was written" if latest is not None
+                    else "no checkpoint was written")
+            raise CheckpointWriteError(
+                errno.ENOSPC, f"checkpoint: no space left on device in {self.directory} "
+                f"({lost}); free some space or set checkpoint.dir to a larger "
+                "disk, then run the same command again to resume") from None
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
         """Restore checkpoint `step` into the structure/dtypes/shardings of `abstract_state`.
@@ -78,11 +142,14 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is complete on disk."""
-        self._manager.wait_until_finished()
+        with self._reporting_full_disk():
+            self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        try:
+            self.wait()
+        finally:
+            self._manager.close()
 
 
 def abstract_with_shardings(tree: Any, shardings: Any) -> Any:

@@ -10,6 +10,7 @@ Running the same command again resumes from the newest complete checkpoint.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from typing import Any
@@ -24,12 +25,13 @@ from lwm_jax.loss_scale import loss_scale_for
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.precision import parse_policy
 from lwm_jax.train import batches
-from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
+from lwm_jax.train.checkpoint import Checkpointer, CheckpointWriteError, abstract_with_shardings
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
 from lwm_jax.train.guard import SkipWatch
 from lwm_jax.train.run_lock import RunDirLock
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
 from lwm_jax.train.optimizer import lr_schedule, make_optimizer
+from lwm_jax.train.preflight import compile_step
 from lwm_jax.train.params import count_params, split_model
 from lwm_jax.train.sharding import (make_mesh, param_shardings, replicated, shard_like_params,
                                     tokens_sharding)
@@ -197,10 +199,13 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     step, stopped_by, logged, diagnosis = start, None, None, None
     watch = SkipWatch(t.max_consecutive_skips,
                       getattr(state.loss_scale, "min_scale", None))
+    compiled_step = None
     while step < end and stop.requested is None:
         tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
                                    vocab_size=V)
-        state, metrics = train_step(state, tokens)
+        if compiled_step is None:         # compile once; refuse a step that cannot fit
+            compiled_step = compile_step(cfg, train_step, state, tokens)
+        state, metrics = compiled_step(state, tokens)
         step += 1
         logger.advance()
         if watch.push(step, metrics, tokens):
@@ -217,7 +222,8 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
             logger.log_eval(step, val_loss)
             logger.reset_timer(step)          # tokens/s measures training steps only
         if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
-            ckpt.save(step, state, sampler.state_dict())
+            with _metrics_kept(logger, step, metrics, logged):
+                ckpt.save(step, state, sampler.state_dict())
     if stopped_by is None and watch.flush():
         stopped_by = "non-finite"
     stopped_by = stopped_by or stop.requested
@@ -227,8 +233,9 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         diagnosis = _diagnose(cfg, policy, state.params, watch, t.max_consecutive_skips)
     # Final checkpoint (also on a stop signal); the signal handlers stay installed until
     # it is on disk, so a second SIGTERM cannot interrupt the save.
-    ckpt.save(step, state, sampler.state_dict())
-    ckpt.close()
+    with _metrics_kept(logger, None, None, None):
+        ckpt.save(step, state, sampler.state_dict())
+        ckpt.close()
 
     if val is not None and stopped_by is None and last_eval != step:
         val_loss = evaluate(state.params)
@@ -242,6 +249,19 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         tqdm.write(f"lwm-jax train: {stopped_by} received; checkpoint saved at step {step} in "
                    f"{ckpt.directory}; run the same command again to resume")
     return TrainResult(run_dir, step, state, val_loss, stopped_by, diagnosis)
+
+
+@contextlib.contextmanager
+def _metrics_kept(logger: MetricsLogger, step, metrics, logged):
+    """On a failed checkpoint write, record the current step's metrics (when not yet logged)
+    and close the metrics files before the error propagates: nothing trained goes unlogged."""
+    try:
+        yield
+    except CheckpointWriteError:
+        if step is not None and logged != step:
+            logger.log_train(step, metrics)
+        logger.close()
+        raise
 
 
 def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> str:

@@ -1,0 +1,65 @@
+"""The compiled-step pre-flight: XLA's memory analysis of the train step (activations included)
+is checked against the device's memory before the first step runs, and a step that cannot fit
+ends in one line naming the keys that shrink it."""
+from __future__ import annotations
+
+import jax
+import pytest
+
+from lwm_jax.cli import main as cli_main
+from lwm_jax.train.config import load_config
+from lwm_jax.train.preflight import check_step_fits, compile_step, step_bytes
+from lwm_jax.train.trainer import build_program
+
+SMALL = ["model.n_layer=2", "model.n_embd=64", "train.ctx_len=64", "train.batch_size=4",
+         "train.eval_every=0", "train.steps=2", "train.warmup_steps=1"]
+
+
+def _program_and_args(overrides):
+    cfg = load_config(None, [*SMALL, *overrides])
+    prog = build_program(cfg)
+    state = prog.init_state()
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 65), 0, cfg.model.vocab_size)
+    return cfg, prog, state, tokens
+
+
+def test_the_analysis_counts_activations_and_grows_with_the_batch():
+    cfg, prog, state, tokens = _program_and_args([])
+    small = step_bytes(prog.train_step.lower(state, tokens).compile())
+    assert small is not None and small["temp"] > 0
+    assert small["peak"] == small["arguments"] + small["outputs"] - small["aliased"] + small["temp"]
+    cfg8, prog8, state8, _ = _program_and_args(["train.batch_size=16"])
+    tokens8 = jax.random.randint(jax.random.PRNGKey(0), (16, 65), 0, cfg8.model.vocab_size)
+    big = step_bytes(prog8.train_step.lower(state8, tokens8).compile())
+    assert big["temp"] > 2 * small["temp"]            # activations scale with the batch
+    assert big["arguments"] - small["arguments"] == 12 * 65 * 4   # only the int32 tokens grew
+
+
+def test_a_step_that_does_not_fit_is_refused_in_one_line():
+    cfg, prog, state, tokens = _program_and_args([])
+    need = step_bytes(prog.train_step.lower(state, tokens).compile())["peak"]
+    with pytest.raises(ValueError) as err:
+        compile_step(cfg, prog.train_step, state, tokens, memory=(need // 2, "test memory"))
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert msg.startswith("train.batch_size=4, train.ctx_len=64: the compiled train step needs")
+    assert "test memory" in msg and "model.remat=true" in msg and "train.grad_accum" in msg
+    # enough memory: the compiled step is returned and trains
+    step = compile_step(cfg, prog.train_step, state, tokens, memory=(4 * need, "test memory"))
+    state, metrics = step(state, tokens)
+    assert int(state.step) == 1 and float(metrics["finite"]) == 1
+
+
+def test_unknown_sizes_never_refuse():
+    cfg = load_config(None, SMALL)
+    check_step_fits(cfg, None, 1, "x")
+    check_step_fits(cfg, {"peak": 10**15, "arguments": 0, "temp": 0}, None, "x")
+
+
+def test_the_cli_refuses_before_the_first_step(tmp_path, monkeypatch, capsys):
+    import lwm_jax.train.preflight as preflight
+    monkeypatch.setattr(preflight, "device_memory", lambda: (1 << 20, "memory of one test device"))
+    status = cli_main(["train", "--no-progress", *SMALL, f"run_dir={tmp_path / 'run'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "memory of one test device" in err[0] and "train.batch_size=4" in err[0]
