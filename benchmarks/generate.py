@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.generate import Generator
 from lwm_jax.models.rwkv7 import RWKV7
 

@@ -23,7 +23,7 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
   ptxas --triton-site DIR   (CPU, no GPU needed) compile every kernel for sm_90 with the triton
                             wheel and print registers / spills / shared memory / wgmma count.
 
-Inputs follow the FLA benchmark's distribution (`lwm_jax.ops.testing.random_wkv7_inputs`).
+Inputs follow the FLA benchmark's distribution (`lwm_jax.ops.wkv7.testing.random_wkv7_inputs`).
 Timing: jitted call, warm-up, then batches of back-to-back calls ended by one
 `block_until_ready`; the median batch time over the call count.
 """
@@ -92,8 +92,8 @@ def _vjp_fn(op, with_state):
 
 def cmd_check(args):
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import wkv7_pallas
-    from lwm_jax.ops.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+    from lwm_jax.ops.wkv7.pallas import wkv7_pallas
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
     cases = [  # (B, T, H, K, V, dtype, segments, initial_state, chunk, out_dtype)
         (2, 300, 3, 64, 64, jnp.bfloat16, True, True, 32, jnp.float32),   # stacked bwd, docs
         (1, 256, 2, 64, 64, jnp.bfloat16, False, False, 32, None),        # stacked, bf16 out
@@ -140,9 +140,9 @@ def cmd_check(args):
 
 def cmd_accuracy(args):
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import wkv7_pallas
-    from lwm_jax.ops.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
-    from lwm_jax.ops.wkv7_reference import wkv7_reference_np
+    from lwm_jax.ops.wkv7.pallas import wkv7_pallas
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+    from lwm_jax.ops.wkv7.reference import wkv7_reference_np
     save = {}
     for T in (1024, 4096):
         xs = random_wkv7_inputs(jax.random.PRNGKey(T), 1, T, 4, 64, 64, jnp.bfloat16)
@@ -183,7 +183,7 @@ def cmd_peer(args):
 
 
 def cmd_compare(args):
-    from lwm_jax.ops.testing import rel_err
+    from lwm_jax.ops.wkv7.testing import rel_err
     d, p = np.load(args.acc), np.load(args.peer)
     for n in NAMES:
         ours = rel_err(d[f"ours_d{n}"], d[f"ref_d{n}"])
@@ -193,9 +193,9 @@ def cmd_compare(args):
 
 def cmd_speed(args):
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import Tuning, wkv7_pallas
-    from lwm_jax.kernels.wkv7.gpu_kernels import resolve
-    from lwm_jax.ops.testing import random_wkv7_inputs
+    from lwm_jax.ops.wkv7.pallas import Tuning, wkv7_pallas
+    from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 
     def run(B, T, H, D, chunk=64, tuning=None, label="ours", impl=None):
         xs = random_wkv7_inputs(jax.random.PRNGKey(B * T + H), B, T, H, D, D, jnp.bfloat16)
@@ -221,7 +221,7 @@ def cmd_speed(args):
             if args.shape_index is None or i in args.shape_index:
                 run(B, T, H, D, args.chunk, tune)
     if args.recurrent:
-        from lwm_jax.ops.wkv7_recurrent import wkv7_recurrent
+        from lwm_jax.ops.wkv7.recurrent import wkv7_recurrent
         rec = lambda r, w, k, v, a, b, s0: wkv7_recurrent(r, w, k, v, a, b, s0, None,
                                                            output_dtype=jnp.bfloat16)
         run(*SHAPES[0], label="recurrent", impl=rec)
@@ -229,8 +229,8 @@ def cmd_speed(args):
 
 def cmd_precision(args):
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import wkv7_pallas
-    from lwm_jax.ops.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+    from lwm_jax.ops.wkv7.pallas import wkv7_pallas
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
     small = random_wkv7_inputs(jax.random.PRNGKey(11), 1, 1024, 4, 64, 64, jnp.float32)
     do_small = jax.random.normal(jax.random.PRNGKey(12), (1, 1024, 4, 64), jnp.float32)
     zeros = np.zeros((1, 4, 64, 64))
@@ -263,9 +263,10 @@ BREAKDOWN_VARIANTS = [  # (chunk, Tuning kwargs); None fields are filled by `res
 def cmd_breakdown(args):
     """Time each launch alone (shape args.shape) for several launch variants."""
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import Tuning, gpu_kernels as gk
-    from lwm_jax.kernels.wkv7.gpu_kernels import resolve
-    from lwm_jax.ops.testing import random_wkv7_inputs
+    from lwm_jax.ops.wkv7.pallas import Tuning
+    from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
+    from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     B, T, H, D = args.shape
     xs = random_wkv7_inputs(jax.random.PRNGKey(3), B, T, H, D, D, jnp.bfloat16)
     do = jax.random.normal(jax.random.PRNGKey(4), (B, T, H, D), jnp.bfloat16)
@@ -306,7 +307,7 @@ def cmd_ptxas(args):
     import subprocess
     jax, jnp = _jax()
     from jax._src.pallas.triton import pallas_call_registration as reg
-    from lwm_jax.kernels.wkv7 import Tuning, wkv7_gpu
+    from lwm_jax.ops.wkv7.pallas import Tuning, wkv7_gpu
     os.makedirs(args.out, exist_ok=True)
     kernels = []
     orig_lower, orig_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
@@ -359,9 +360,10 @@ def cmd_sweep(args):
     / seq_bwd (shape --seq-shape). Variants: JSON list of [kind, chunk, tuning-dict], kind in
     bwd / seq / seqb."""
     jax, jnp = _jax()
-    from lwm_jax.kernels.wkv7 import Tuning, gpu_kernels as gk
-    from lwm_jax.kernels.wkv7.gpu_kernels import resolve
-    from lwm_jax.ops.testing import random_wkv7_inputs
+    from lwm_jax.ops.wkv7.pallas import Tuning
+    from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
+    from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     prec = jax.lax.Precision.DEFAULT
     cache = {}
 

@@ -6,21 +6,14 @@ Light imports only here; the model, ops and interop load on first use:
     from lwm_jax.models.rwkv7 import RWKV7
     from lwm_jax.ops import wkv7
 """
-import importlib
+from lwm_jax._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 # Loaded on first use (PEP 562), so `import lwm_jax.cli` (argument parsing, --help) never
 # imports jax.
-_LAZY = {"ModelConfig": "lwm_jax.config", "Policy": "lwm_jax.precision",
-         "PRESETS": "lwm_jax.precision", "parse_policy": "lwm_jax.precision"}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'lwm_jax' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, {
+    "ModelConfig": "lwm_jax.models.rwkv7.config", "Policy": "lwm_jax.precision",
+    "PRESETS": "lwm_jax.precision", "parse_policy": "lwm_jax.precision"})
 __all__ = ["ModelConfig", "Policy", "PRESETS", "parse_policy", "load_pretrained", "__version__"]
 
 

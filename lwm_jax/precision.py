@@ -20,9 +20,8 @@ the bf16 output rounding) and three bf16 passes on TPU (one pass, `default`, wou
 decayed keys to 8 bits); `highest` is IEEE fp32 everywhere.
 
 `tf32x3` (WKV only, opt-in: `w=tf32x3`) runs the GPU kernel's products as three TF32 tensor-core
-passes on split operands: fp32-level error at tensor-core speed (H200, fp32 inputs,
-(8, 4096, 12, 64) fwd+bwd: 8.6 ms vs 37.0 ms for `highest`, output error vs float64 3.0e-7 vs
-3.3e-7; benchmarks/RESULTS.md). Backends without it (XLA chunked form, TPU, the CPU
+passes on split operands: fp32-level error at tensor-core speed (measured against `highest`
+in benchmarks/RESULTS.md, kernel precision table). Backends without it (XLA chunked form, TPU, the CPU
 interpreter) compute it as `highest`.
 
 `fp32` is true IEEE fp32 even on TPU and H100 (`highest` = no bf16 passes, no TF32).

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.cli import main
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import hf, load_pretrained
 from lwm_jax.interop.testing import random_params
 

@@ -19,9 +19,9 @@ from flax import nnx
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.generate.sampling import SamplingParams
 from lwm_jax.models.rwkv7 import RWKV7
-from lwm_jax.models.testing import randomize_params
+from lwm_jax.models.rwkv7.testing import randomize_params
 from lwm_jax.ops import wkv7, wkv7_reference_np
-from lwm_jax.ops.testing import random_wkv7_inputs
+from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 
 engine = importlib.import_module("lwm_jax.generate.engine")
 
@@ -40,7 +40,7 @@ def _wkv_problem(dtype):
 class WKV7VariantsTest(chex.TestCase):
     """Each implementation, jitted and not, against the float64 recurrence (packed documents,
     initial state, T not a multiple of the chunk). fp32: 2e-6 relative per element (the fp32
-    forms measure ~3e-7, tests/test_wkv7_ops.py); bf16 inputs: output within 1e-2."""
+    forms measure ~3e-7, tests/ops/wkv7/test_wkv7_ops.py); bf16 inputs: output within 1e-2."""
 
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(

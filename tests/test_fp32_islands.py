@@ -21,17 +21,17 @@ from flax import nnx
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.diagnostics.probe import Probe
 from lwm_jax.layers.norms import layer_norm
-from lwm_jax.layers.time_mix import DECAY_SCALE, decay_log, normalize_heads, time_mix_forward
+from lwm_jax.models.rwkv7.time_mix import DECAY_SCALE, decay_log, normalize_heads, time_mix_forward
 from lwm_jax.models.rwkv7 import RWKV7
-from lwm_jax.models.testing import param_dict, randomize_params
+from lwm_jax.models.rwkv7.testing import param_dict, randomize_params
 from lwm_jax.ops import wkv7_reference_np
-from lwm_jax.ops.wkv7_recurrent import recurrent_scan
+from lwm_jax.ops.wkv7.recurrent import recurrent_scan
 from lwm_jax.train.loss import cross_entropy, lm_loss
 
-time_mix_module = importlib.import_module("lwm_jax.layers.time_mix")  # where TimeMix finds wkv7
-model_module = importlib.import_module("lwm_jax.models.rwkv7")       # where RWKV7 finds ln0's LN
+time_mix_module = importlib.import_module("lwm_jax.models.rwkv7.time_mix")  # where TimeMix finds wkv7
+model_module = importlib.import_module("lwm_jax.models.rwkv7.model")  # where RWKV7 finds ln0's LN
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
-# same shapes as tests/test_model.py, so a shared pytest process reuses compiled eager ops
+# same shapes as tests/models/rwkv7/test_model.py, so a shared pytest process reuses compiled eager ops
 CFG = ModelConfig(vocab_size=97, n_layer=3, n_embd=32, head_size=16, chunk_size=16)
 
 

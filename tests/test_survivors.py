@@ -29,13 +29,13 @@ from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.diagnostics.probe import Probe
 from lwm_jax.interop.api import export
 from lwm_jax.models.rwkv7 import RWKV7
-from lwm_jax.models.testing import param_dict, randomize_params
+from lwm_jax.models.rwkv7.testing import param_dict, randomize_params
 from lwm_jax.precision import parse_policy
 from lwm_jax.train.config import load_config
 from lwm_jax.train.loss import lm_loss
 from lwm_jax.train.trainer import build_program
 
-time_mix_module = importlib.import_module("lwm_jax.layers.time_mix")
+time_mix_module = importlib.import_module("lwm_jax.models.rwkv7.time_mix")
 step_module = importlib.import_module("lwm_jax.train.step")
 
 CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, head_size=32, chunk_size=16)

@@ -17,8 +17,8 @@ mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 case "${1:-}" in
   tests)
-    python3 -m pytest -q tests/test_gpu_training.py tests/test_wkv7_pallas.py \
-      tests/test_wkv7_aligned_keys.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+    python3 -m pytest -q tests/train/test_gpu_training.py tests/ops/wkv7/test_wkv7_pallas.py \
+      tests/ops/wkv7/test_wkv7_aligned_keys.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
   ours)
     for run in "bf16-mixed ours_bf16 --init-hf /tmp/parity/init_hf" \
                "bf16-mixed ours_bf16_random --random-tokens"; do

@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lwm_jax.ops.wkv7_recurrent import _one_token
+from lwm_jax.ops.wkv7.recurrent import _one_token
 from lwm_jax.diagnostics.nonfinite import describe, first_nonfinite, probed_forward, tap_stats
+from lwm_jax.models.rwkv7 import probe_model_fn
 from lwm_jax.train.config import load_config
 from lwm_jax.train.sharding import tokens_sharding
 from lwm_jax.train.trainer import build_program
@@ -42,7 +43,7 @@ def state_norms(r, w, k, v, a, b):
     f = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)  # noqa: E731
     B, T, H, N = r.shape
 
-    def step(S, xs):      # the op's own one-token step (lwm_jax.ops.wkv7_recurrent)
+    def step(S, xs):      # the op's own one-token step (lwm_jax.ops.wkv7.recurrent)
         S, _ = _one_token(S, *xs)
         return S, jnp.sqrt(jnp.sum(S * S, axis=(2, 3)))
 
@@ -90,7 +91,7 @@ def main() -> None:
     fail_step, params, tokens = failing
     inputs = tokens[:, :-1]
     T = t.ctx_len
-    stats = tap_stats(cfg.model, prog.policy, params, inputs)
+    stats = tap_stats(probe_model_fn(cfg.model, prog.policy), params, inputs)
     line = describe(stats, T)
     print(f"step {fail_step}: {line}", flush=True)
     with open(os.path.join(args.out, "taps.json"), "w") as f:
@@ -106,7 +107,7 @@ def main() -> None:
     layer = bad.name.split("/")[0] if bad is not None and bad.name.startswith("layer") else None
     if layer is not None:
         keep = {f"{layer}/att/{n}" for n in WKV_INPUTS}
-        _, recs = probed_forward(cfg.model, prog.policy, params, inputs,
+        _, recs = probed_forward(probe_model_fn(cfg.model, prog.policy), params, inputs,
                                  reduce=lambda name, x: x if name in keep else None)
         got = {name.rsplit("/", 1)[1]: x for name, x in recs if name in keep}
         norms = np.asarray(state_norms(*(got[n] for n in WKV_INPUTS)))   # [T, B, H]

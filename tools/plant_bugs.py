@@ -45,12 +45,12 @@ class Plant:
 S = "tests/test_survivors.py::"
 PLANTS = [
     # ---- the survivors of the Hardening issue -------------------------------------------------
-    Plant("decay-bf16-at-wkv7-call", "lwm_jax/layers/time_mix.py",
+    Plant("decay-bf16-at-wkv7-call", "lwm_jax/models/rwkv7/time_mix.py",
           (("o, wkv_BHNN = wkv7(r4, heads(w), k4,",
             "o, wkv_BHNN = wkv7(r4, heads(w).astype(jnp.bfloat16).astype(f32), k4,"),),
           (S + "test_decay_handed_to_wkv7_is_the_fp32_decay",),
           "the decay rounded through bf16 where TimeMix calls wkv7 (dtype still f32)"),
-    Plant("kk-product-in-compute-dtype", "lwm_jax/layers/time_mix.py",
+    Plant("kk-product-in-compute-dtype", "lwm_jax/models/rwkv7/time_mix.py",
           (('kk = normalize_heads((k.astype(f32) * p["k_k"].astype(f32)).reshape(B, T, H, N))',
             'kk = normalize_heads((k * p["k_k"].astype(cd)).reshape(B, T, H, N))'),),
           (S + "test_kk_handed_to_wkv7_is_fp32_normalised_then_rounded",),
@@ -90,7 +90,7 @@ PLANTS = [
           (S + "test_hf_export_matches_fla_layout_literally",),
           "HF export (and import) swaps r_proj and k_proj"),
     # ---- the fp32 islands and the other rewritten tests -------------------------------------
-    Plant("decay-island-in-compute-dtype", "lwm_jax/layers/time_mix.py",
+    Plant("decay-island-in-compute-dtype", "lwm_jax/models/rwkv7/time_mix.py",
           (('    hidden = jnp.tanh(policy.einsum_f32("btc,cr->btr", x_w_BTC, p["w1"]))\n'
             '    d = p["w0"].astype(jnp.float32) + policy.einsum_f32("btr,rc->btc", hidden, '
             'p["w2"])\n',
@@ -108,11 +108,11 @@ PLANTS = [
           (("    xg = x.astype(jnp.float32).reshape(", "    xg = x.reshape("),),
           ("tests/test_fp32_islands.py::test_c_norm_statistics_in_fp32[group]",),
           "GroupNorm (ln_x) statistics in the input dtype"),
-    Plant("kk-normalisation-in-input-dtype", "lwm_jax/layers/time_mix.py",
+    Plant("kk-normalisation-in-input-dtype", "lwm_jax/models/rwkv7/time_mix.py",
           (("    x = x_BTHN.astype(jnp.float32)\n", "    x = x_BTHN\n"),),
           ("tests/test_fp32_islands.py::test_d_kk_normalisation_in_fp32",),
           "normalize_heads in its input's dtype"),
-    Plant("logits-in-compute-dtype", "lwm_jax/models/rwkv7.py",
+    Plant("logits-in-compute-dtype", "lwm_jax/models/rwkv7/model.py",
           (('return policy.einsum_f32("btc,cv->btv", xo, head_CV)',
             'return policy.einsum("btc,cv->btv", xo, head_CV, out_dtype=jnp.float32)'),
            ('logits = self.policy.einsum_f32("btc,cv->btv", xo, self.head[...])',
@@ -129,11 +129,11 @@ PLANTS = [
             "state.opt_state)\n", ""),),
           ("tests/test_precision.py::test_overflowing_fp16_step_is_skipped",),
           "a non-finite step still applies its update"),
-    Plant("kk-gradient-stopped", "lwm_jax/layers/time_mix.py",
+    Plant("kk-gradient-stopped", "lwm_jax/models/rwkv7/time_mix.py",
           (("    return x * jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps))\n",
             "    return x * jax.lax.stop_gradient(jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps)))"
             "\n"),),
-          ("tests/test_model.py::test_every_preset_forward_backward[fp32]",),
+          ("tests/models/rwkv7/test_model.py::test_every_preset_forward_backward[fp32]",),
           "a backward-only bug (forward unchanged): invisible when fp32 is compared with itself"),
 ]
 

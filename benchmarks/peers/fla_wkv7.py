@@ -1,6 +1,6 @@
 """Peer for `benchmarks/wkv7.py speed`: FLA's `chunk_rwkv7` timed exactly as ours is timed.
 
-Same shapes and input distribution as ours (`lwm_jax.ops.testing.random_wkv7_inputs`: r, v
+Same shapes and input distribution as ours (`lwm_jax.ops.wkv7.testing.random_wkv7_inputs`: r, v
 standard normal, k 0.5 x normal, log-decay -exp(-0.5) x sigmoid(2 n - 1), a = -kk, b = kk x
 sigmoid(n) with kk unit per head), bf16, FLA's own layer settings (chunk 64, safe gate, lower
 bound -exp(-0.5)). Timer (the same as `benchmarks/wkv7.py bench`): one warm-up call, one timed

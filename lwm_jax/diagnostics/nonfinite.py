@@ -66,17 +66,16 @@ def _reduce(T: int):
     return reduce
 
 
-def probed_forward(cfg, policy, params: dict, tokens_BT, *, reduce, segment_ids=None):
-    """Run the RWKV-7 forward on `params` with a `Probe(reduce)`; returns `(logits, records)`.
+def probed_forward(model_fn, params: dict, tokens_BT, *, reduce, segment_ids=None):
+    """Run a model forward on `params` with a `Probe(reduce)`; returns `(logits, records)`.
 
-    cfg: `ModelConfig` (remat and scan are switched off for the probed run: same math, same
-    parameter tree). params: the model's parameter pure dict (as the trainer holds it).
+    model_fn: `() -> nnx.Module` building the model whose parameter tree `params` is (called
+    under `nnx.eval_shape`; nothing is allocated), callable as
+    `model(tokens_BT, segment_ids=..., probe=...)` — e.g. `lwm_jax.models.rwkv7.probe_model_fn`.
+    params: the model's parameter pure dict (as the trainer holds it).
     Jitted; `records` is a list of `(name, reduce(name, x))` in execution order.
     """
-    from lwm_jax.models.rwkv7 import RWKV7  # models import diagnostics.probe: import late
-
-    cfg = dataclasses.replace(cfg, remat=False, scan_layers=False)
-    abstract = nnx.eval_shape(lambda: RWKV7(cfg, policy, rngs=nnx.Rngs(0)))
+    abstract = nnx.eval_shape(model_fn)
     graphdef, _ = nnx.split(abstract)
 
     names: list[str] = []
@@ -92,10 +91,11 @@ def probed_forward(cfg, policy, params: dict, tokens_BT, *, reduce, segment_ids=
     return logits, list(zip(names, values))
 
 
-def tap_stats(cfg, policy, params: dict, tokens_BT, *, segment_ids=None) -> list[TapStats]:
-    """Per-tap statistics of one forward, in execution order (see `TapStats`)."""
+def tap_stats(model_fn, params: dict, tokens_BT, *, segment_ids=None) -> list[TapStats]:
+    """Per-tap statistics of one forward, in execution order (see `TapStats`; `model_fn` as in
+    `probed_forward`)."""
     T = int(jnp.shape(tokens_BT)[1])
-    _, records = probed_forward(cfg, policy, params, tokens_BT, reduce=_reduce(T),
+    _, records = probed_forward(model_fn, params, tokens_BT, reduce=_reduce(T),
                                 segment_ids=segment_ids)
     records = jax.device_get(records)
     return [TapStats(name, int(count), None if int(first) < 0 else int(first), float(max_abs))

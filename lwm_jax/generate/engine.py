@@ -145,8 +145,8 @@ def _block_fn(graph, return_logits, params, rest, carry, forced_KB, is_forced_KB
 # Inside a decode block the per-layer weights and states are separate arrays: the model's
 # stacked `[L, ...]` layout is rebuilt (`jnp.stack`) right where the model slices it again, and
 # XLA folds each slice-of-stack to the per-layer array. Without this, every step copies each
-# layer's weight slice before its matmul and re-stacks the whole state (H200, 1.5B, blocks of
-# 16: 5.1 -> 3.9 ms per step at batch 1, 6.6 -> 5.1 at batch 64; benchmarks/RESULTS.md).
+# layer's weight slice before its matmul and re-stacks the whole state (the measured step
+# times are in benchmarks/RESULTS.md, inference section).
 # Weights are split once per block (one extra copy of the block weights lives on the device
 # while decoding).
 def _is_block_param(path) -> bool:

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.user_input import check_output_file, one_line, quote_path, short
 
 FORMAT = "lwm_jax-rwkv7-state/1"

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import hf, native, params, rwkv_pth
 from lwm_jax.precision import Policy
 from lwm_jax.user_input import check_output_dir, check_output_file

@@ -22,7 +22,7 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import layout
 from lwm_jax.interop.rwkv_pth import gather_params, scatter_params
 from lwm_jax.user_input import check_output_dir, one_line, quote_path, short

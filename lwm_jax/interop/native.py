@@ -17,7 +17,7 @@ import jax
 import numpy as np
 import yaml
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import params
 from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
                                 one_line, quote_path)

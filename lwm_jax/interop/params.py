@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.precision import Policy, parse_policy
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import params
 from lwm_jax.interop.native import model_config_from, restore_failed
 from lwm_jax.user_input import load_yaml_file, quote_path

@@ -14,9 +14,9 @@ from typing import Mapping
 
 import numpy as np
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import layout, params
-from lwm_jax.layers.init import time_mix_vectors
+from lwm_jax.models.rwkv7.init import time_mix_vectors
 
 PREFIX = "_forward_module."
 

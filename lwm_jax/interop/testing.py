@@ -1,7 +1,7 @@
 """Random but well-conditioned RWKV-7 parameter trees, built in NumPy (no JAX init, no compile).
 
 For tests and examples that need "a real-looking checkpoint" quickly: the vector parameters
-start from the RWKV-LM init formulas (`lwm_jax.layers.init`) and get Gaussian noise, and every
+start from the RWKV-LM init formulas (`lwm_jax.models.rwkv7.init`) and get Gaussian noise, and every
 matrix (including the ones the official init sets to zero: W_o, ffn.value, the first LoRA
 matrices) is Gaussian with std `scale / sqrt(fan_in)`, so every path of the model contributes.
 """
@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import params
-from lwm_jax.layers.init import channel_mix_vectors, stacked_vectors, time_mix_vectors
+from lwm_jax.models.rwkv7.init import channel_mix_vectors, stacked_vectors, time_mix_vectors
 
 _ATT_VECTORS = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a", "r_k")
 

@@ -1,4 +1,9 @@
-"""Language models: RWKV-7 (`RWKV7`, `RWKV7State`)."""
-from lwm_jax.models.rwkv7 import RWKV7, RWKV7State
+"""Language model families: `rwkv7` (`RWKV7`, `RWKV7State`, `ModelConfig`).
 
-__all__ = ["RWKV7", "RWKV7State"]
+Loaded on first use, so that a family's `config` module imports without jax or flax.
+"""
+from lwm_jax._lazy import lazy_getattr
+
+_SOURCES = {"RWKV7": "lwm_jax.models.rwkv7.model", "RWKV7State": "lwm_jax.models.rwkv7.model"}
+__all__ = list(_SOURCES)
+__getattr__ = lazy_getattr(__name__, _SOURCES)

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
 from lwm_jax.data.prepare import read_tokenizer_record
 from lwm_jax.tokenizers import get_tokenizer

@@ -4,7 +4,7 @@ A run config has a few top-level keys (`name`, `run_dir`, `precision`) and five 
 
 | section      | type              | what                                                        |
 |--------------|-------------------|-------------------------------------------------------------|
-| `model`      | `ModelConfig`     | RWKV-7 shapes (`lwm_jax.config.ModelConfig.from_dict`)      |
+| `model`      | `ModelConfig`     | RWKV-7 shapes (`lwm_jax.models.rwkv7.config.ModelConfig.from_dict`)      |
 | `train`      | `TrainSection`    | optimiser, schedule, batch, loop cadence                    |
 | `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
 | `checkpoint` | `CheckpointSection` | where/how often to save, how many to keep, async or not   |
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from lwm_jax.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.precision import parse_policy
 from lwm_jax.user_input import load_yaml, load_yaml_file, short
 

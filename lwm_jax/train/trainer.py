@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.loss_scale import loss_scale_for
-from lwm_jax.models.rwkv7 import RWKV7
+from lwm_jax.models.rwkv7 import RWKV7, probe_model_fn
 from lwm_jax.precision import parse_policy
 from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import Checkpointer, CheckpointWriteError, abstract_with_shardings
@@ -272,7 +272,7 @@ def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> s
             f"skipped (parameters unchanged; last at step {bad_step})")
     try:
         inputs = tokens[0, :, :-1] if tokens.ndim == 3 else tokens[:, :-1]
-        stats = tap_stats(cfg.model, policy, params, inputs)
+        stats = tap_stats(probe_model_fn(cfg.model, policy), params, inputs)
         return f"{head}; {describe(stats, int(inputs.shape[1]))}"
     except Exception as err:   # the stop and its checkpoint matter more than the diagnosis
         return f"{head}; the forward re-run that localises it failed ({type(err).__name__}: {err})"

@@ -1,0 +1,77 @@
+"""RWKV-7 block = LayerNorm ln1 -> TimeMix, LayerNorm ln2 -> ChannelMix, both residual.
+
+`Block` holds the parameters of ALL layers stacked along a leading `layers` axis; `block_forward`
+is the pure per-layer function (one layer's parameter slice in, new residual stream and layer
+state out) that the model's Python loop and its `lax.scan` both call.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
+from lwm_jax.layers.norms import LayerNorm, layer_norm
+from lwm_jax.models.rwkv7.time_mix import TimeMix, time_mix_forward
+
+
+class LayerState(NamedTuple):
+    """Recurrent state of one layer (or, stacked, of all layers with a leading L axis).
+
+    tmix_shift: `[B, C]` float32, last token's ln1 output.
+    cmix_shift: `[B, C]` float32, last token's ln2 output.
+    wkv: `[B, H, N, N]` float32 WKV state, indexed [key, value].
+    """
+
+    tmix_shift: jax.Array
+    cmix_shift: jax.Array
+    wkv: jax.Array
+
+
+class Block(nnx.Module):
+    """Parameters of all L blocks: `ln1`, `ln2` (LayerNorm `[L, C]`), `att` (TimeMix), `ffn`
+    (ChannelMix). See `TimeMix` / `ChannelMix` for the shapes and logical axes."""
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        stack = (cfg.n_layer,)
+        self.ln1 = LayerNorm(cfg.n_embd, param_dtype=policy.param_dtype, stack=stack)
+        self.ln2 = LayerNorm(cfg.n_embd, param_dtype=policy.param_dtype, stack=stack)
+        self.att = TimeMix(cfg, policy, rngs=rngs)
+        self.ffn = ChannelMix(cfg, policy, rngs=rngs)
+
+
+def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
+                  segment_ids_BT=None, probe=None):
+    """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
+
+    Args:
+      p: one layer's parameters `{"ln1", "ln2", "att", "ffn"}` (plain dict of arrays).
+      x_BTC: `[B, T, C]` residual stream in `policy.compute_dtype`.
+      v_first_BTC: `[B, T, C]` layer 0's value (None when `first`).
+      state: this layer's `LayerState` (float32).
+      first: True for layer 0 only (a Python bool: it changes the traced program).
+      probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
+        residual stream after each (`x_att`, `x_out`).
+    Returns:
+      `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
+    """
+    cd = policy.compute_dtype
+    xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
+    att, v_first_BTC, wkv = time_mix_forward(
+        p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
+        head_size=cfg.head_size, wkv_impl=cfg.wkv_impl, chunk_size=cfg.chunk_size or None,
+        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"))
+    x_BTC = x_BTC + att
+    if probe is not None:
+        probe("x_att", x_BTC)
+    xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
+    x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
+                                        segment_ids_BT=segment_ids_BT,
+                                        probe=scoped(probe, "ffn"))
+    if probe is not None:
+        probe("x_out", x_BTC)
+    new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)
+    return x_BTC, v_first_BTC, new_state

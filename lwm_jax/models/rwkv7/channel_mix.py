@@ -1,0 +1,84 @@
+"""RWKV-7 ChannelMix (the feed-forward mixer), parameters stacked over layers.
+
+`out = relu(k @ W_key)² @ W_value` with `k = x + (shift(x) - x) * mu_k`, hidden size
+`ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`; matmuls via `policy.einsum`.
+
+fp16 (`fp16-mixed`): the square overflows float16 (max 65504) once a pre-activation passes 256,
+which trained RWKV-7 models reach. Under a float16 compute dtype the squared activations are
+therefore formed from a power-of-two-scaled copy, `(relu(k W) / s)²` with `s = 2^n` chosen from
+the tensor's peak so that every entry stays <= 128² (scaling by a power of two is exact), and
+`s²` is multiplied back after the value matmul, in float32. The result equals the unscaled
+formula wherever that one is finite; bf16 and fp32 (no overflow below 3e38) are untouched.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm_jax.models.rwkv7 import init
+from lwm_jax.layers.shift import token_shift
+
+
+class ChannelMix(nnx.Module):
+    """ChannelMix parameters of all L layers (dtype `policy.param_dtype`).
+
+    Attributes (logical axes in brackets):
+      x_k: `[L, C]` token-shift mix, init `1 - (n / C) ** (ratio1 ** 4)` (layers, embed).
+      key: `[L, C, F]` (layers, embed, mlp), orthogonal gain 1.
+      value: `[L, F, C]` (layers, mlp, embed), init 0.
+    """
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        L, C, F = cfg.n_layer, cfg.n_embd, cfg.ffn_dim
+        pd = policy.param_dtype
+        vec = init.stacked_vectors(init.channel_mix_vectors, L, C)
+        self.x_k = nnx.Param(jnp.asarray(vec["x_k"], pd), logical_axes=("layers", "embed"))
+        self.key = nnx.Param(init.orthogonal(rngs.params(), (L, C, F), init.GAINS["ffn_key"], pd),
+                             logical_axes=("layers", "embed", "mlp"))
+        self.value = nnx.Param(jnp.zeros((L, F, C), pd), logical_axes=("layers", "mlp", "embed"))
+
+
+def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None):
+    """One layer's ChannelMix.
+
+    Args:
+      p: this layer's parameters (`x_k [C]`, `key [C, F]`, `value [F, C]`).
+      x_BTC: `[B, T, C]` LayerNorm'd input (cast to `policy.compute_dtype`).
+      shift_BC: `[B, C]` previous token's `x` (zeros for a fresh sequence).
+      segment_ids_BT: optional int `[B, T]`; the shift sees zeros where a document starts.
+      probe: optional `probe(name, x)` tap; sees the squared-ReLU hidden layer and the output.
+    Returns:
+      `[B, T, C]` in `policy.compute_dtype`.
+    """
+    cd = policy.compute_dtype
+    x = x_BTC.astype(cd)
+    xx = token_shift(x, shift_BC, segment_ids_BT) - x
+    k = x + xx * p["x_k"].astype(cd)
+    act = jax.nn.relu(policy.einsum("btc,cf->btf", k, p["key"]))
+    if jnp.dtype(cd) == jnp.float16:
+        hidden, out = _squared_relu_fp16(policy, act, p["value"])
+    else:
+        hidden = jnp.square(act)
+        out = policy.einsum("btf,fc->btc", hidden, p["value"])
+    if probe is not None:
+        probe("hidden", hidden)
+        probe("out", out)
+    return out
+
+
+FP16_HIDDEN_PEAK = 128.0   # scaled activations stay <= 128, so their squares <= 16384 < 65504
+
+
+def _squared_relu_fp16(policy, act_BTF, value_FC):
+    """`(relu², relu² @ W_value)` under float16 without overflow (see the module docstring).
+
+    Returns the scaled hidden layer (what the value matmul sees, float16) and the output in the
+    compute dtype. `s` is a constant for autodiff (the product is exactly independent of it).
+    """
+    act32 = act_BTF.astype(jnp.float32)
+    peak = jax.lax.stop_gradient(jnp.max(act32))
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(peak, FP16_HIDDEN_PEAK) / FP16_HIDDEN_PEAK)))
+    hidden = jnp.square(act32 / scale).astype(act_BTF.dtype)
+    out = policy.einsum("btf,fc->btc", hidden, value_FC, out_dtype=jnp.float32) * (scale * scale)
+    return hidden, out.astype(policy.compute_dtype)

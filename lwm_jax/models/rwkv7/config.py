@@ -1,0 +1,116 @@
+"""RWKV-7 model configuration (typed, validated).
+
+The training/run configuration (data, optimizer, checkpoints) lives in `lwm_jax.train.config` and
+embeds a `ModelConfig` under its `model:` key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
+
+
+def default_lora_rank(factor: float) -> int:
+    """RWKV-LM's rule for a low-rank size: `max(32, round(factor / 32) * 32)`."""
+    return max(32, int(round(factor / 32)) * 32)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape and behaviour of an RWKV-7 model.
+
+    Attributes:
+      vocab_size: V (65536 for the RWKV World vocabulary, 256 for byte-level).
+      n_layer: L.
+      n_embd: C (must be a multiple of `head_size`).
+      head_size: N (64 in every released model).
+      decay_lora / a_lora / v_lora / gate_lora: low-rank sizes; 0 = RWKV-LM's default rule
+        (see `resolved()`), read from tensor shapes when importing a checkpoint.
+      ffn_mult: ChannelMix hidden size = ffn_mult * C (4 in RWKV-7).
+      wkv_impl: WKV7 implementation ("auto" = Pallas kernel on GPU/TPU, chunked XLA on CPU).
+      chunk_size: chunk length for the chunked and Pallas WKV7; 0 = the implementation's
+        default (Pallas: 32 on GPU, 64 on TPU; chunked XLA: 64).
+      remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
+      scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
+        Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
+    """
+
+    vocab_size: int = 65536
+    n_layer: int = 12
+    n_embd: int = 768
+    head_size: int = 64
+    decay_lora: int = 0
+    a_lora: int = 0
+    v_lora: int = 0
+    gate_lora: int = 0
+    ffn_mult: int = 4
+    wkv_impl: str = "auto"
+    chunk_size: int = 0
+    remat: bool = False
+    scan_layers: bool = False
+
+    def __post_init__(self):
+        def bad(field, msg):
+            raise ValueError(f"model.{field}: {msg}")
+        for f in ("vocab_size", "n_layer", "n_embd", "head_size", "ffn_mult"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                bad(f, f"must be a positive integer, got {v!r}")
+        for f in ("decay_lora", "a_lora", "v_lora", "gate_lora", "chunk_size"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                rule = "the implementation's default" if f == "chunk_size" else "RWKV-LM default rule"
+                bad(f, f"must be an integer >= 0 (0 = {rule}), got {v!r}")
+        if self.n_embd % self.head_size:
+            bad("n_embd", f"{self.n_embd} is not a multiple of model.head_size={self.head_size}")
+        if self.wkv_impl not in WKV_IMPLS:
+            bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
+        for f in ("remat", "scan_layers"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, f"must be true or false, got {getattr(self, f)!r}")
+
+    @property
+    def n_head(self) -> int:
+        return self.n_embd // self.head_size
+
+    @property
+    def ffn_dim(self) -> int:
+        return self.ffn_mult * self.n_embd
+
+    def resolved(self) -> "ModelConfig":
+        """Copy with every 0 low-rank size replaced by RWKV-LM's rule.
+
+        decay, a: f = 2.5·√C·(N/64); v: f = 1.7·√C·(N/64); gate: f = 5·√C.
+        """
+        root, hs = math.sqrt(self.n_embd), self.head_size / 64
+        return dataclasses.replace(
+            self,
+            decay_lora=self.decay_lora or default_lora_rank(2.5 * root * hs),
+            a_lora=self.a_lora or default_lora_rank(2.5 * root * hs),
+            v_lora=self.v_lora or default_lora_rank(1.7 * root * hs),
+            gate_lora=self.gate_lora or default_lora_rank(5 * root),
+        )
+
+    def param_count(self) -> int:
+        """`2VC + 4C + L(19C + 12C² + 2C(dw+da+dv+dg))` (ffn_mult=4), computed from the shapes."""
+        c = self.resolved()
+        C, L = c.n_embd, c.n_layer
+        lora = c.decay_lora + c.a_lora + c.v_lora + c.gate_lora
+        per_layer = 19 * C + 4 * C * C + 2 * C * c.ffn_dim + 2 * C * lora
+        return 2 * c.vocab_size * C + 4 * C + L * per_layer
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "model") -> "ModelConfig":
+        """Build from a plain dict (YAML `model:` section); unknown keys are a one-line error."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: unknown key; valid keys: {', '.join(sorted(names))}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,257 @@
+"""The RWKV-7 ("x070") language model in Flax NNX.
+
+```python
+model = RWKV7(cfg, policy, rngs=nnx.Rngs(0))
+logits_BTV = model(tokens_BT)                                   # float32 logits
+logits_BTV, state = model(tokens_BT, state=None, return_state=True, segment_ids=None)
+state = model.init_state(batch_size)                            # RWKV7State of zeros
+logits_BTV = model.head_logits(x_BTC)       # final LayerNorm + head only (fp32 island)
+model.param_count()                         # == cfg.param_count()
+```
+
+Parameter tree (`nnx.state(model, nnx.Param)`), `x @ W` layout (torch Linear weights transposed),
+block parameters stacked on a leading L axis; logical axes in brackets:
+
+    emb                      [V, C]      (vocab, embed)      uniform ±1e-4
+    ln0.{weight,bias}        [C]         (embed)
+    blocks.ln1.{weight,bias} [L, C]      (layers, embed)
+    blocks.ln2.{weight,bias} [L, C]      (layers, embed)
+    blocks.att.{x_r,x_w,x_k,x_v,x_a,x_g,w0,a0,v0,k_k,k_a}  [L, C]  (layers, embed)
+    blocks.att.{w1,a1,v1,g1} [L, C, d]   (layers, embed, lora)   d = decay/a/v/gate rank
+    blocks.att.{w2,a2,v2,g2} [L, d, C]   (layers, lora, embed)
+    blocks.att.r_k           [L, H, N]   (layers, heads, head_dim)
+    blocks.att.{receptance,key,value} [L, C, C]  (layers, embed, heads)
+    blocks.att.output        [L, C, C]   (layers, heads, embed)
+    blocks.att.ln_x.{weight,bias} [L, C] (layers, embed)
+    blocks.ffn.x_k           [L, C]      (layers, embed)
+    blocks.ffn.key           [L, C, 4C]  (layers, embed, mlp)
+    blocks.ffn.value         [L, 4C, C]  (layers, mlp, embed)
+    ln_out.{weight,bias}     [C]         (embed)
+    head                     [C, V]      (embed, vocab)
+
+("heads" on a C-sized axis names the flattened H·N feature axis.) Official checkpoint names map
+1:1: `emb.weight` = emb, `blocks.0.ln0` = ln0, `blocks.i.att.receptance.weight` =
+`blocks.att.receptance[i].T`, `blocks.i.att.x_r [1,1,C]` = `blocks.att.x_r[i]`, `head.weight` =
+head.T, `blocks.i.att.w1` = `blocks.att.w1[i]` (LoRA matrices are already `x @ w` in the
+official file: no transpose), and so on. Layer 0's v0/v1/v2 exist but are unused (layer 0
+defines `v_first = v`); their gradient is exactly zero.
+
+Precision: parameters in `policy.param_dtype`; the residual stream and all mixers in
+`policy.compute_dtype`; the final LayerNorm and the head matmul run in float32 (logits fp32
+island), then logits are cast to `policy.output_dtype` (float32 in every preset).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.models.rwkv7 import init
+from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
+from lwm_jax.layers.norms import LayerNorm, layer_norm
+from lwm_jax.precision import Policy, parse_policy
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RWKV7State:
+    """Recurrent state of the whole model (all float32).
+
+    tmix_shift: `[L, B, C]` last token's ln1 output per layer (TimeMix token shift).
+    cmix_shift: `[L, B, C]` last token's ln2 output per layer (ChannelMix token shift).
+    wkv: `[L, B, H, N, N]` WKV state per layer and head, indexed [key, value].
+    """
+
+    tmix_shift: jax.Array
+    cmix_shift: jax.Array
+    wkv: jax.Array
+
+
+class RWKV7(nnx.Module):
+    """RWKV-7 language model (see the module docstring for the parameter tree).
+
+    Args:
+      cfg: `ModelConfig` (zero LoRA ranks are resolved with RWKV-LM's rule; `self.cfg` holds
+        the resolved copy).
+      policy: `Policy` or a string accepted by `parse_policy` (e.g. "bf16-mixed").
+      rngs: `nnx.Rngs`; the `params` stream seeds every random init.
+    """
+
+    def __init__(self, cfg: ModelConfig, policy: Policy | str, *, rngs: nnx.Rngs):
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"RWKV7: cfg must be a lwm_jax.ModelConfig, got {type(cfg).__name__}")
+        self.cfg = cfg.resolved()
+        self.policy = parse_policy(policy)
+        V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
+        self.emb = nnx.Param(init.embedding(rngs.params(), V, C, pd),
+                             logical_axes=("vocab", "embed"))
+        self.ln0 = LayerNorm(C, param_dtype=pd)
+        self.blocks = Block(self.cfg, self.policy, rngs=rngs)
+        self.ln_out = LayerNorm(C, param_dtype=pd)
+        self.head = nnx.Param(init.head(rngs.params(), C, V, pd), logical_axes=("embed", "vocab"))
+
+    def init_state(self, batch_size: int) -> RWKV7State:
+        """Zero state for `batch_size` fresh sequences."""
+        if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+            raise ValueError(f"init_state: batch_size must be a positive integer, got "
+                             f"{batch_size!r}")
+        c = self.cfg
+        L, C, H, N = c.n_layer, c.n_embd, c.n_head, c.head_size
+        return RWKV7State(jnp.zeros((L, batch_size, C), jnp.float32),
+                          jnp.zeros((L, batch_size, C), jnp.float32),
+                          jnp.zeros((L, batch_size, H, N, N), jnp.float32))
+
+    def param_count(self) -> int:
+        """Number of parameter scalars (equals `ModelConfig.param_count()`)."""
+        return sum(math.prod(x.shape) for x in jax.tree.leaves(nnx.state(self, nnx.Param)))
+
+    def features(self, tokens_BT, segment_ids=None):
+        """Final residual stream `[B, T, C]` (compute dtype), before `ln_out` and the head.
+
+        `head_fn(self.policy)(x, self.head_params())` turns it into logits; the trainer's fused
+        loss (`train.loss.fused_lm_loss`) does that chunk by chunk.
+        """
+        return self._trunk(tokens_BT, None, segment_ids, None)[0]
+
+    def head_params(self):
+        """`(ln_out weight, ln_out bias, head)`: the arrays `head_fn` takes."""
+        return (self.ln_out.weight[...], self.ln_out.bias[...], self.head[...])
+
+    def __call__(self, tokens_BT, state: RWKV7State | None = None, return_state: bool = False,
+                 segment_ids=None, probe=None):
+        """Logits for `tokens_BT` (int `[B, T]`).
+
+        Args:
+          state: `RWKV7State` carried from a previous call (None = zeros).
+          return_state: also return the state after the last token.
+          segment_ids: optional int `[B, T]` packed-document ids: the recurrent state (WKV and
+            token shift) restarts from zero where the id changes (not at position 0).
+          probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`) called in execution
+            order: `emb`, `ln0`, `layer{l}/...` for each block, `logits`. Needs a model built
+            with `remat=False` and `scan_layers=False` (ValueError otherwise).
+        Returns:
+          logits `[B, T, V]` in `policy.output_dtype` (computed in float32), or
+          `(logits, RWKV7State)` when `return_state`.
+        """
+        x, new = self._trunk(tokens_BT, state, segment_ids, probe)
+        logits = self.head_logits(x)
+        if probe is not None:
+            probe("logits", logits)
+        if return_state:
+            return logits, RWKV7State(new.tmix_shift, new.cmix_shift, new.wkv)
+        return logits
+
+    def _trunk(self, tokens_BT, state, segment_ids, probe):
+        """Embedding, ln0 and the blocks: `(x_BTC, new LayerState)`; checks the inputs."""
+        tokens_BT = jnp.asarray(tokens_BT)
+        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
+            raise ValueError(f"RWKV7: tokens must be an integer array [B, T], got shape "
+                             f"{tokens_BT.shape} dtype {tokens_BT.dtype}")
+        B, T = tokens_BT.shape
+        if state is None:
+            state = self.init_state(B)
+        self._check_state(state, B)
+        if segment_ids is not None and tuple(jnp.shape(segment_ids)) != (B, T):
+            raise ValueError(f"RWKV7: segment_ids shape {jnp.shape(segment_ids)} must equal the "
+                             f"tokens' shape {(B, T)}")
+        if segment_ids is not None:
+            segment_ids = jnp.asarray(segment_ids)
+        if probe is not None and (self.cfg.remat or self.cfg.scan_layers):
+            raise ValueError("RWKV7: a probe needs a model built with remat=False and "
+                             "scan_layers=False (it cannot look inside jax.checkpoint or lax.scan)")
+        tap = probe or (lambda name, x: None)
+        # out-of-range token ids give NaN embeddings (jnp.take's "fill" mode), hence NaN logits
+        x = jnp.take(self.emb[...], tokens_BT, axis=0)
+        tap("emb", x)
+        x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...],
+                       out_dtype=self.policy.compute_dtype)
+        tap("ln0", x)
+
+        params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
+        states = LayerState(state.tmix_shift, state.cmix_shift, state.wkv)
+        x, new = self._run_blocks(params, x, states, segment_ids, probe)
+
+        return x, new
+
+    def head_logits(self, x_BTC):
+        """Logits fp32 island: `LN_out(x) @ head` with float32 statistics, operands and result.
+
+        `x_BTC`: final residual stream `[B, T, C]` (any float dtype). Returns `[B, T, V]` in
+        `policy.output_dtype` (float32 in every preset).
+        """
+        logits = head_fn(self.policy)(x_BTC, self.head_params())
+        return logits.astype(self.policy.output_dtype)
+
+    def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
+        """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
+        cfg, policy = self.cfg, self.policy
+
+        def make(first):
+            fn = partial(block_forward, first=first, cfg=cfg, policy=policy)
+
+            def step(p, x, v_first, st, seg, layer_probe=None):
+                return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
+            return jax.checkpoint(step) if cfg.remat else step
+
+        first_step, rest_step = make(True), make(False)
+        layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+        x_BTC, v_first, s0 = first_step(layer(params, 0), x_BTC, None, layer(states, 0),
+                                        segment_ids, scoped(probe, "layer0"))
+        if cfg.n_layer == 1:
+            return x_BTC, jax.tree.map(lambda a: a[None], s0)
+        if cfg.scan_layers:
+            def body(carry, xs):
+                x, vf = carry
+                x, vf, st = rest_step(xs[0], x, vf, xs[1], segment_ids)
+                return (x, vf), st
+            rest = jax.tree.map(lambda a: a[1:], (params, states))
+            (x_BTC, _), rest_states = jax.lax.scan(body, (x_BTC, v_first), rest)
+            new = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), s0, rest_states)
+        else:
+            outs = [s0]
+            for l in range(1, cfg.n_layer):
+                x_BTC, v_first, st = rest_step(layer(params, l), x_BTC, v_first,
+                                               layer(states, l), segment_ids,
+                                               scoped(probe, f"layer{l}"))
+                outs.append(st)
+            new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+        return x_BTC, new
+
+    def _check_state(self, state, batch_size: int):
+        if not isinstance(state, RWKV7State):
+            raise TypeError(f"RWKV7: state must be an RWKV7State (model.init_state), got "
+                            f"{type(state).__name__}")
+        c = self.cfg
+        L, C, H, N = c.n_layer, c.n_embd, c.n_head, c.head_size
+        expect = {"tmix_shift": (L, batch_size, C), "cmix_shift": (L, batch_size, C),
+                  "wkv": (L, batch_size, H, N, N)}
+        for name, shape in expect.items():
+            got = tuple(getattr(state, name).shape)
+            if got != shape:
+                raise ValueError(f"RWKV7: state.{name} has shape {got}, expected {shape} "
+                                 f"(batch {batch_size}); build it with model.init_state")
+
+
+def head_fn(policy: Policy):
+    """`f(x_BTC, (ln_out weight, ln_out bias, head)) -> float32 logits`: the logits fp32 island
+    (LayerNorm with float32 statistics and output, then the head matmul on float32 operands at
+    the policy's matmul precision) as a pure function of its parameters."""
+    def f(x_BTC, head_params):
+        weight, bias, head_CV = head_params
+        xo = layer_norm(x_BTC, weight, bias, out_dtype=jnp.float32)
+        return policy.einsum_f32("btc,cv->btv", xo, head_CV)
+    return f
+
+
+def probe_model_fn(cfg: ModelConfig, policy):
+    """`() -> RWKV7` for `lwm_jax.diagnostics.nonfinite.probed_forward` / `tap_stats`: the same
+    math and parameter tree as `cfg`, with remat and layer scan off so that every layer's taps
+    are recorded under their own names."""
+    cfg = dataclasses.replace(cfg, remat=False, scan_layers=False)
+    return lambda: RWKV7(cfg, policy, rngs=nnx.Rngs(0))

@@ -1,0 +1,170 @@
+"""RWKV-7 TimeMix (the attention-like mixer), parameters stacked over layers.
+
+`TimeMix` only holds parameters (leading axis L); the math is the pure function
+`time_mix_forward`, which the blocks call on one layer's slice (a plain dict of arrays), so a
+Python loop over layers and a `lax.scan` over the stacked arrays run exactly the same code.
+
+Dtypes: activations, r/k/v/a/b and every projection run in `policy.compute_dtype` (all matmuls
+through `policy.einsum`, explicit precision, fp32 accumulation). Parameters are cast to the
+compute dtype before touching activations, so an fp32 parameter never promotes r/k/v/a/b (under
+`fp16-mixed` they all reach `wkv7` as float16), with `precision=policy.wkv_precision` for the
+WKV's in-chunk matmuls. fp32 islands: the decay path
+(`d = w0 + tanh(x_w @ w1) @ w2`, `w = -exp(-0.5) * sigmoid(d)`), the `kk` L2 normalisation, the
+WKV state and the `ln_x` GroupNorm statistics.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from lwm_jax.models.rwkv7 import init
+from lwm_jax.layers.norms import GroupNorm, group_norm
+from lwm_jax.layers.shift import token_shift
+from lwm_jax.ops import wkv7
+
+MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
+LORA_NAMES = (("w1", "w2", "decay_lora"), ("a1", "a2", "a_lora"), ("v1", "v2", "v_lora"),
+              ("g1", "g2", "gate_lora"))
+KK_EPS = 1e-12
+DECAY_SCALE = math.exp(-0.5)   # w = -exp(-0.5) * sigmoid(d)
+
+
+class TimeMix(nnx.Module):
+    """TimeMix parameters of all L layers (`[L, ...]`, dtype `policy.param_dtype`).
+
+    Attributes (logical axes in brackets):
+      x_r, x_w, x_k, x_v, x_a, x_g: `[L, C]` token-shift mixes mu (layers, embed).
+      w0, a0, v0, k_k, k_a: `[L, C]` (layers, embed).
+      w1, a1, v1, g1: `[L, C, d]` LoRA down (layers, embed, lora); init 0.
+      w2, a2, v2, g2: `[L, d, C]` LoRA up (layers, lora, embed); orthogonal gain 0.1.
+      r_k: `[L, H, N]` (layers, heads, head_dim).
+      receptance, key, value: `[L, C, C]` as `x @ W` (layers, embed, heads); orthogonal gains
+        1, 0.1, 1. output: `[L, C, C]` (layers, heads, embed); init 0. Here "heads" names the
+        flattened H·N feature axis.
+      ln_x: GroupNorm with `weight`, `bias` `[L, C]`; weight init `((l + 1) / L) ** 0.7`.
+    Layer 0 never uses its v0/v1/v2 (it defines `v_first`), matching the official checkpoint.
+    """
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        cfg = cfg.resolved()
+        L, C, N = cfg.n_layer, cfg.n_embd, cfg.head_size
+        pd = policy.param_dtype
+        vec = init.stacked_vectors(init.time_mix_vectors, L, C, N)
+        for name in VECTOR_NAMES:
+            setattr(self, name, nnx.Param(jnp.asarray(vec[name], pd),
+                                          logical_axes=("layers", "embed")))
+        for down, up, field in LORA_NAMES:
+            d = getattr(cfg, field)
+            setattr(self, down, nnx.Param(jnp.zeros((L, C, d), pd),
+                                          logical_axes=("layers", "embed", "lora")))
+            up_init = init.orthogonal(rngs.params(), (L, d, C), init.LORA_GAIN, pd)
+            setattr(self, up, nnx.Param(up_init, logical_axes=("layers", "lora", "embed")))
+        self.r_k = nnx.Param(jnp.asarray(vec["r_k"], pd),
+                             logical_axes=("layers", "heads", "head_dim"))
+        for name in ("receptance", "key", "value"):
+            setattr(self, name, nnx.Param(init.orthogonal(rngs.params(), (L, C, C),
+                                                          init.GAINS[name], pd),
+                                          logical_axes=("layers", "embed", "heads")))
+        self.output = nnx.Param(jnp.zeros((L, C, C), pd), logical_axes=("layers", "heads", "embed"))
+        self.ln_x = GroupNorm(C, C // N, N * 1e-5, param_dtype=pd, stack=(L,),
+                              weight_init=np.asarray(vec["ln_x_weight"]))
+
+
+def decay_log(p: dict, x_w_BTC, policy):
+    """fp32 island: log-decay `w = -exp(-0.5) * sigmoid(w0 + tanh(x_w @ w1) @ w2)`.
+
+    Both LoRA matmuls take fp32 operands and return fp32 (`policy.einsum_f32`); `w0` is upcast.
+    Returns `[B, T, C]` float32 in `(-0.6065, 0)`.
+    """
+    hidden = jnp.tanh(policy.einsum_f32("btc,cr->btr", x_w_BTC, p["w1"]))
+    d = p["w0"].astype(jnp.float32) + policy.einsum_f32("btr,rc->btc", hidden, p["w2"])
+    return -DECAY_SCALE * jax.nn.sigmoid(d)
+
+
+def normalize_heads(x_BTHN, eps: float = KK_EPS):
+    """fp32 island: `x / max(||x||_2, eps)` over the head dim (last axis); returns float32.
+
+    Written as `x * rsqrt(max(sum x², eps²))` so the gradient stays finite at x = 0.
+    """
+    x = x_BTHN.astype(jnp.float32)
+    sumsq = jnp.sum(jnp.square(x), axis=-1, keepdims=True)
+    return x * jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps))
+
+
+def _lora(policy, x_BTC, down, up):
+    return policy.einsum("btr,rc->btc", policy.einsum("btc,cr->btr", x_BTC, down), up)
+
+
+def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
+                     head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
+                     segment_ids_BT=None, probe=None) -> tuple[Any, Any, Any]:
+    """One layer's TimeMix.
+
+    Args:
+      p: this layer's parameters (plain dict, names as in `TimeMix`, no layer axis; `ln_x` a dict
+        with `weight`, `bias`).
+      x_BTC: `[B, T, C]` LayerNorm'd input (cast to `policy.compute_dtype`).
+      shift_BC: `[B, C]` previous token's `x` (any float dtype; zeros for a fresh sequence).
+      wkv_BHNN: `[B, H, N, N]` float32 WKV state, indexed [key, value].
+      v_first_BTC: `[B, T, C]` layer 0's value (ignored, may be None, when `first`).
+      first: True for layer 0 (defines `v_first = v`; no value residual).
+      segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
+      probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`); sees r, k, v, the
+        log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
+    Returns:
+      `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
+      dtype, state float32.
+    """
+    cd, f32 = policy.compute_dtype, jnp.float32
+    B, T, C = x_BTC.shape
+    N = head_size
+    H = C // N
+    x = x_BTC.astype(cd)
+    xx = token_shift(x, shift_BC, segment_ids_BT) - x
+    xr, xw, xk, xv, xa, xg = (x + xx * p[m].astype(cd) for m in MIX_NAMES)
+
+    r = policy.einsum("btc,cd->btd", xr, p["receptance"])
+    k = policy.einsum("btc,cd->btd", xk, p["key"])
+    v = policy.einsum("btc,cd->btd", xv, p["value"])
+    w = decay_log(p, xw, policy)
+
+    if first:
+        v_first_BTC = v
+    else:
+        v_gate = jax.nn.sigmoid(p["v0"].astype(cd) + _lora(policy, xv, p["v1"], p["v2"]))
+        v = v + (v_first_BTC.astype(cd) - v) * v_gate
+    a = jax.nn.sigmoid(p["a0"].astype(cd) + _lora(policy, xa, p["a1"], p["a2"]))
+    g = policy.einsum("btr,rc->btc", jax.nn.sigmoid(policy.einsum("btc,cr->btr", xg, p["g1"])),
+                      p["g2"])
+
+    kk = normalize_heads((k.astype(f32) * p["k_k"].astype(f32)).reshape(B, T, H, N))
+    k = k * (1 + (a - 1) * p["k_a"].astype(cd))
+
+    heads = lambda t: t.reshape(B, T, H, N)  # noqa: E731
+    r4, k4, v4, a4 = heads(r), heads(k), heads(v), heads(a)
+    a_in, b_in = (-kk).astype(cd), (kk * a4.astype(f32)).astype(cd)
+    tap = probe or (lambda name, x: None)
+    for name, val in (("r", r4), ("w", heads(w)), ("k", k4), ("v", v4), ("a_in", a_in),
+                      ("b_in", b_in), ("a", a), ("g", g)):
+        tap(name, val)
+    o, wkv_BHNN = wkv7(r4, heads(w), k4, v4, a_in, b_in,
+                       initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
+                       chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
+                       precision=policy.wkv_precision)
+    tap("wkv_out", o)
+    tap("wkv_state", wkv_BHNN)
+
+    y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
+                   eps=N * 1e-5, out_dtype=cd)
+    tap("ln_x", y)
+    bonus = jnp.sum(r4 * k4 * p["r_k"].astype(cd), axis=-1, keepdims=True, dtype=f32)
+    y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
+    out = policy.einsum("btc,cd->btd", y * g, p["output"])
+    tap("out", out)
+    return out, v_first_BTC, wkv_BHNN

@@ -1,0 +1,66 @@
+"""Pallas WKV7 (RWKV-7 generalized delta rule) kernels, forward + backward via `jax.custom_vjp`.
+
+    o, final_state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,
+                                 output_dtype)
+
+FLA layout: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, w = log-decay (<= 0), state
+`[B, H, K, V]` float32: `S_t = diag(e^{w_t}) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T`,
+`o_t = S_t^T r_t`. `initial_state` / `segment_ids` may be None.
+
+Dispatch on `jax.default_backend()`:
+  gpu -> Pallas-Triton kernels (`pallas_gpu/`: `op.py`, `launches.py`, `tiles.py`, `tiles_bwd_stacked.py`);
+  tpu -> `lwm_jax.ops.wkv7.pallas_tpu.op.wkv7_tpu` (Pallas/Mosaic TPU);
+  cpu -> the GPU kernels in the Pallas interpreter (tests; slow).
+
+Accuracy and speed against FLA and a float64 reference: `benchmarks/RESULTS.md` (WKV7 kernel
+sections); `benchmarks/wkv7.py` reproduces them.
+
+Lowering choice (GPU). The kernels are written for the Pallas *Triton* backend
+(`pl.pallas_call` with `plgpu.CompilerParams`, `from jax.experimental.pallas import triton`).
+Reasons: it lowers the same source on jax 0.10.x and 0.11.x (the explicit Triton compiler params
+select the Triton backend on both, whatever `jax_pallas_use_mosaic_gpu` says), it handles
+tensor-core dots on register tiles of any power-of-two shape (TF32 or IEEE fp32), forward
+`cumsum`, and `fori_loop` over dynamically indexed refs, which is all this algorithm needs; and it
+needs no warpgroup/barrier bookkeeping. Mosaic GPU (`plgpu.kernel`) gives more control (TMA,
+wgmma pipelines) at the price of explicit warpgroup, barrier and shared-memory code.
+On jax 0.11.2 every launch emits a DeprecationWarning ("The Pallas Triton backend is deprecated
+and will be removed in a future JAX version"); it still compiles and runs.
+Migration path if Pallas-Triton is removed from JAX: keep `pallas_gpu/tiles.py` (pure tile algebra, no
+backend calls) and port the launches in `pallas_gpu/launches.py` to `plgpu.kernel` with
+`plgpu.emit_pipeline` over chunks: the chunk-parallel kernels map to one warpgroup per
+(head, chunk) with TMA loads of the [C, K] tiles, the sequential kernels to a loop that
+double-buffers M/Q/D/O0 through shared memory. The custom_vjp wiring in `gpu.py` stays.
+"""
+from __future__ import annotations
+
+import jax
+
+from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, wkv7_gpu
+from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning
+
+__all__ = ["wkv7_pallas", "wkv7_gpu", "Tuning", "PRECISIONS"]
+
+
+def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=None,
+                output_dtype=None, *, precision=None, interpret=None, tuning=None):
+    """WKV7 with the Pallas kernel of the current backend. Returns `(o, final_state)`.
+
+    Args: as `wkv7_gpu` (see `gpu.py`); `chunk_size` None picks the backend's default (GPU and
+    the CPU interpreter: 32, the GPU kernel's measured fastest; TPU: 64, as before).
+    `precision` ("default" | "high" | "highest" | "tf32x3" | None) is passed to the backend kernel (None: the
+    backend's default; on GPU "highest" for float32 inputs, else TF32). `interpret`: None
+    picks the interpreter on CPU only. `tuning` applies to the GPU.
+    """
+    backend = jax.default_backend()
+    if chunk_size is None:
+        chunk_size = 64 if backend == "tpu" and not interpret else 32
+    if backend == "tpu" and not interpret:
+        from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu  # imported lazily: Mosaic TPU only
+        tpu_precision = "highest" if precision == "tf32x3" else precision   # no TF32 on TPU
+        extra = {} if precision is None else {"precision": tpu_precision}
+        return wkv7_tpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
+                        **extra)
+    if interpret is None:
+        interpret = backend not in ("gpu", "cuda", "rocm")
+    return wkv7_gpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
+                    precision=precision, interpret=interpret, tuning=tuning)

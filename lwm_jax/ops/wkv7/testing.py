@@ -1,0 +1,94 @@
+"""Shared test helpers for WKV7: RWKV-7-like random inputs, float64 reference with gradients.
+
+Used by the op tests and by the Pallas kernel tests, so every implementation is measured on the
+same input distribution (the FLA benchmark's, `shared/bench/fla_wkv7.py`).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import jax
+import jax.numpy as jnp
+
+from lwm_jax.ops.wkv7.recurrent import recurrent_scan
+
+LOG_DECAY_LOWER = -math.exp(-0.5)  # RWKV-7's log-decay lower bound, -0.6065...
+WKV7_ARG_NAMES = ("r", "w", "k", "v", "a", "b")
+
+
+def random_wkv7_inputs(key_or_seed, B, T, H, K, V, dtype=jnp.float32):
+    """RWKV-7-like random WKV7 inputs `(r, w, k, v, a, b)`, all in `dtype`.
+
+    Distribution (per element, drawn in float32 then cast): r ~ N(0,1), k ~ 0.5 N(0,1),
+    v ~ N(0,1), w = -e^{-1/2} sigmoid(2 N(0,1) - 1), kk = l2-normalise(N(0,1)) over the last axis,
+    a_icl = sigmoid(N(0,1)), a = -kk, b = kk * a_icl.
+    Shapes: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`.
+    """
+    key = (jax.random.PRNGKey(key_or_seed) if isinstance(key_or_seed, int) else key_or_seed)
+    kr, kw, kk_, kv, kkk, ka = jax.random.split(key, 6)
+    shape = (B, T, H, K)
+    normal = lambda kx, s=shape: jax.random.normal(kx, s, jnp.float32)
+    r = normal(kr)
+    k = 0.5 * normal(kk_)
+    v = normal(kv, (B, T, H, V))
+    w = LOG_DECAY_LOWER * jax.nn.sigmoid(2.0 * normal(kw) - 1.0)
+    kk = normal(kkk)
+    kk = kk / jnp.linalg.norm(kk, axis=-1, keepdims=True)
+    a_icl = jax.nn.sigmoid(normal(ka))
+    return tuple(x.astype(dtype) for x in (r, w, k, v, -kk, kk * a_icl))
+
+
+def rel_err(x, ref) -> float:
+    """`||x - ref|| / ||ref||` in float64 (Frobenius norm over all elements)."""
+    x = np.asarray(x, dtype=np.float64)
+    ref = np.asarray(ref, dtype=np.float64)
+    return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
+
+
+def wkv7_reference_vjp_f64(inputs, initial_state, segment_ids, d_out, d_state):
+    """Float64 WKV7 outputs and gradients (recurrent JAX form run under `jax.enable_x64`).
+
+    Args:
+      inputs: `(r, w, k, v, a, b)` arrays (any float dtype; values are converted exactly to f64).
+      initial_state: `[B, H, K, V]` or None.
+      segment_ids: int `[B, T]` or None.
+      d_out: cotangent of `o` `[B, T, H, V]`; d_state: cotangent of the final state `[B, H, K, V]`.
+
+    Returns:
+      `(o, final_state, grads)` as float64 NumPy arrays; `grads` maps "r", "w", "k", "v", "a",
+      "b" (and "initial_state" when given) to the gradient of `<o, d_out> + <S_T, d_state>`.
+    """
+    f64 = lambda x: np.asarray(x, dtype=np.float64)
+    with jax.enable_x64(True):
+        xs = tuple(jnp.asarray(f64(x)) for x in inputs)
+        s0 = None if initial_state is None else jnp.asarray(f64(initial_state))
+        seg = None if segment_ids is None else jnp.asarray(np.asarray(segment_ids))
+
+        def run(xs, s0):
+            return recurrent_scan(*xs, s0, seg, compute_dtype=jnp.float64)
+
+        (o, s_T), vjp = jax.vjp(run, xs, s0)
+        d_xs, d_s0 = vjp((jnp.asarray(f64(d_out)), jnp.asarray(f64(d_state))))
+        grads = {name: np.asarray(g) for name, g in zip(WKV7_ARG_NAMES, d_xs)}
+        if initial_state is not None:
+            grads["initial_state"] = np.asarray(d_s0)
+        return np.asarray(o), np.asarray(s_T), grads
+
+
+def random_segment_ids(seed: int, B: int, T: int, max_docs: int = 4) -> np.ndarray:
+    """int32 `[B, T]` packed-document ids: each row cut at up to `max_docs - 1` random positions.
+
+    Row 0 always gets a document of length 1 at position 1 when T >= 3 (a reset right after the
+    start and again one token later), so short edge cases are covered.
+    """
+    rng = np.random.default_rng(seed)
+    ids = np.zeros((B, T), dtype=np.int32)
+    for row in range(B):
+        n_cuts = min(max_docs - 1, T - 1)
+        cuts = np.sort(rng.choice(np.arange(1, T), size=n_cuts, replace=False)) if n_cuts else []
+        if row == 0 and T >= 3:
+            cuts = np.union1d(cuts, [1, 2])
+        for c in cuts:
+            ids[row, c:] += 1
+    return ids

@@ -1,0 +1,61 @@
+"""How a model runs, as opposed to what it computes: shared by every model family.
+
+`Runtime` holds the knobs that change speed and memory but not the math or the parameter tree:
+which WKV7 implementation runs, its chunk length, activation rematerialisation and whether the
+layers are iterated with `lax.scan`. A model is built from its architecture config (e.g.
+`lwm_jax.models.rwkv7.config.ModelConfig`), a precision `Policy` and a `Runtime`; a run config
+carries it as its `runtime:` section. Imports nothing heavy (no jax).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
+RUNTIME_FIELDS = ("wkv_impl", "chunk_size", "remat", "scan_layers")
+
+
+@dataclasses.dataclass(frozen=True)
+class Runtime:
+    """Execution knobs of a model (no effect on its math or parameters).
+
+    Attributes:
+      wkv_impl: WKV7 implementation ("auto" = Pallas kernel on GPU/TPU, chunked XLA on CPU).
+      chunk_size: chunk length for the chunked and Pallas WKV7; 0 = the implementation's
+        default (Pallas: 32 on GPU, 64 on TPU; chunked XLA: 64).
+      remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
+      scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
+        Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
+    """
+
+    wkv_impl: str = "auto"
+    chunk_size: int = 0
+    remat: bool = False
+    scan_layers: bool = False
+
+    def __post_init__(self):
+        def bad(field, msg):
+            raise ValueError(f"runtime.{field}: {msg}")
+        if self.wkv_impl not in WKV_IMPLS:
+            bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
+        c = self.chunk_size
+        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
+            bad("chunk_size", f"must be an integer >= 0 (0 = the implementation's default), "
+                              f"got {c!r}")
+        for f in ("remat", "scan_layers"):
+            if not isinstance(getattr(self, f), bool):
+                bad(f, f"must be true or false, got {getattr(self, f)!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], where: str = "runtime") -> "Runtime":
+        """Build from a plain dict (YAML `runtime:` section); unknown keys are a one-line error."""
+        if not isinstance(d, dict):
+            raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(RUNTIME_FIELDS))
+        if unknown:
+            raise ValueError(f"{where}.{unknown[0]}: unknown key; valid keys: "
+                             f"{', '.join(RUNTIME_FIELDS)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

@@ -1,0 +1,42 @@
+"""Shared test set-up: the `gpu` marker skips off-GPU, and fixtures for WKV7 problems.
+
+Layout: `tests/` mirrors the package (`tests/ops/wkv7/`, `tests/models/rwkv7/`, `tests/train/`,
+...); cross-cutting suites (bad inputs, CLI, precision islands, planted-bug survivors) stay at
+the top. Test file names are unique across folders (pytest's default import mode needs it).
+"""
+from __future__ import annotations
+
+import jax
+import pytest
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` need compiled CUDA kernels: skip them cleanly elsewhere."""
+    if ON_GPU:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() is "
+                                   f"{jax.default_backend()!r})")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def wkv7_problem():
+    """`make(seed, B, T, H, K, V=K, dtype=float32) -> (r, w, k, v, a, b)`: fresh RWKV-7-like
+    random inputs (`lwm_jax.ops.wkv7.testing.random_wkv7_inputs`), never zeros."""
+    import jax.numpy as jnp
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
+
+    def make(seed, B, T, H, K, V=None, dtype=jnp.float32):
+        return random_wkv7_inputs(seed, B, T, H, K, K if V is None else V, dtype)
+    return make
+
+
+@pytest.fixture(params=["interpret"] + (["compiled"] if ON_GPU else []))
+def pallas_mode(request):
+    """Run a Pallas test in the interpreter (everywhere) and compiled (on a GPU): yields the
+    `interpret` flag to pass to the kernel."""
+    return request.param == "interpret"

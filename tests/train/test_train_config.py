@@ -1,0 +1,189 @@
+"""Run config: defaults, shipped YAMLs, overrides, one-line errors, CLI error path."""
+import dataclasses
+import glob
+import os
+
+import numpy as np
+import pytest
+import yaml
+
+from lwm_jax.cli import main
+from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.data import write_binidx
+from lwm_jax.train.config import (MeshSection, RunConfig, build_config, check_against_mesh,
+                                  load_config, mesh_shape)
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
+
+
+@pytest.fixture(scope="module")
+def binidx_prefix(tmp_path_factory):
+    prefix = str(tmp_path_factory.mktemp("data") / "toy")
+    rng = np.random.default_rng(0)
+    write_binidx(prefix, [rng.integers(1, 256, 300) for _ in range(4)], np.uint16,
+                 append_eod=True)
+    return prefix
+
+
+def test_builtin_defaults_equal_configs_tiny_yaml():
+    assert load_config(os.path.join(REPO, "configs", "tiny.yaml")) == load_config(None)
+    assert load_config(None) == RunConfig()
+
+
+def test_every_shipped_config_loads(binidx_prefix):
+    expected = {  # name: (L, C, V, resolved lora sizes decay/a/v/gate)
+        "tiny": (4, 256, 256, None),
+        "rwkv7-0.1b": (12, 768, 65536, (64, 64, 32, 128)),
+        "rwkv7-0.4b": (24, 1024, 65536, (64, 64, 64, 160)),
+        "rwkv7-1.5b": (24, 2048, 65536, (96, 96, 64, 256)),
+        "rwkv7-2.9b": (32, 2560, 65536, (128, 128, 96, 256)),
+    }
+    assert sorted(os.path.basename(p)[:-5] for p in CONFIGS) == sorted(expected)
+    for path in CONFIGS:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+        overrides = [f"data.path={binidx_prefix}"] if raw.get("data", {}).get("path") else []
+        cfg = load_config(path, overrides)
+        L, C, V, lora = expected[cfg.name]
+        m = cfg.model.resolved()
+        assert (m.n_layer, m.n_embd, m.vocab_size) == (L, C, V), path
+        if lora is not None:
+            assert (m.decay_lora, m.a_lora, m.v_lora, m.gate_lora) == lora, path
+            t = cfg.train
+            assert (t.betas, t.eps, t.weight_decay, t.grad_clip) == ((0.9, 0.99), 1e-18, 1e-3, 1.0)
+            assert (t.lr, t.min_lr, cfg.precision) == (6e-4, 6e-5, "bf16-mixed")
+            assert t.ctx_len in (512, 4096) and cfg.data.tokenizer == "world"
+    assert load_config(os.path.join(REPO, "configs", "rwkv7-0.1b.yaml"),
+                       [f"data.path={binidx_prefix}"]).model.param_count() == 191_084_544
+
+
+def test_overrides_are_typed_yaml_values():
+    cfg = load_config(None, ["train.lr=3e-4", "model.n_layer=2", "precision=bf16-mixed",
+                             "train.betas=[0.9, 0.95]", "checkpoint.async=false",
+                             "run_dir=/tmp/somewhere", "data.tokenizer=byte"])
+    assert cfg.train.lr == 3e-4 and isinstance(cfg.train.lr, float)
+    assert cfg.model.n_layer == 2 and cfg.precision == "bf16-mixed"
+    assert cfg.train.betas == (0.9, 0.95) and cfg.checkpoint.async_ is False
+    assert cfg.resolved_run_dir == "/tmp/somewhere"
+    assert cfg.checkpoint_dir == os.path.join("/tmp/somewhere", "checkpoints")
+    # a value that is not valid Python is still only YAML-parsed, never evaluated
+    with pytest.raises(ValueError, match=r"^name: expected a string, got \['__import__'\]$"):
+        load_config(None, ["name=[__import__]"])
+
+
+def test_yaml_round_trip(tmp_path, binidx_prefix):
+    cfg = load_config(None, ["train.lr=1e-3", f"data.path={binidx_prefix}", "name=rt"])
+    path = tmp_path / "c.yaml"
+    path.write_text(cfg.to_yaml())
+    assert load_config(str(path)) == cfg
+
+
+def test_run_name_defaults_to_file_stem(tmp_path):
+    path = tmp_path / "my-run.yaml"
+    path.write_text("train:\n  steps: 5\n  warmup_steps: 2\n")
+    cfg = load_config(str(path))
+    assert cfg.name == "my-run" and cfg.resolved_run_dir == os.path.join("runs", "my-run")
+    assert cfg.train.steps == 5 and cfg.model == RunConfig().model
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.lrr=1"], "train.lrr: unknown key; valid keys: batch_size, betas, ctx_len, eps, "
+                      "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, "
+                      "loss_chunk, lr, max_consecutive_skips, min_lr, seed, steps, "
+                      "warmup_steps, weight_decay"),
+    (["foo=1"], "foo: unknown key; valid keys: checkpoint, data, mesh, model, name, precision, "
+                "run_dir, train"),
+    (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),
+    (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
+    (["train.steps=1.5"], "train.steps: expected an integer, got 1.5"),
+    (["train.l2wrap=yes please"], "train.l2wrap: expected true or false, got 'yes please'"),
+    (["train.betas=[0.9]"], "train.betas: expected a list of 2 numbers, got [0.9]"),
+    (["train.betas=[0.9, 1.0]"], "train.betas[1]: must be in [0, 1), got 1.0"),
+    (["train.ctx_len=0"], "train.ctx_len: must be >= 1, got 0"),
+    (["train.lr=0"], "train.lr: must be > 0, got 0.0"),
+    (["train.lr=1e-4"], "train.min_lr: 0.0003 is larger than train.lr=0.0001; lower "
+                        "train.min_lr too"),
+    (["train.batch_size=6", "train.grad_accum=4"],
+     "train.batch_size: 6 is not divisible by train.grad_accum=4"),
+    (["data.path=/no/such/data"], "data.path: /no/such/data.bin not found; give the prefix of "
+                                  "a binidx pair (<prefix>.bin + <prefix>.idx), or null for the "
+                                  "embedded corpus"),
+    (["precision=fp8"], "precision: unknown preset 'fp8'"),
+    (["model.n_embd=100"], "model.n_embd: 100 is not a multiple of model.head_size=64"),
+    (["mesh.fsdp=0"], "mesh.fsdp: must be >= 1 or -1 (= the remaining devices), got 0"),
+    (["mesh.fsdp=-1"], "mesh: at most one axis may be -1"),
+    (["train=3"], "train: expected a mapping of keys, got 3"),
+    (["train.lr.x=1"], "train.lr: expected a finite number, got {'x': 1}"),
+    (["train.lr"], "override 'train.lr': expected key=value, e.g. train.lr=3e-4"),
+])
+def test_config_errors_are_one_line(overrides, message):
+    with pytest.raises(ValueError) as info:
+        load_config(None, overrides)
+    text = str(info.value)
+    assert "\n" not in text
+    assert text.startswith(message), text
+
+
+def test_device_dependent_checks():
+    assert mesh_shape(MeshSection(), 4) == {"data": 4, "fsdp": 1, "tensor": 1, "sequence": 1}
+    assert mesh_shape(MeshSection(data=1, fsdp=-1, tensor=2), 8)["fsdp"] == 4
+    with pytest.raises(ValueError, match=r"^mesh: data\*fsdp\*tensor\*sequence = 2 but 4 "
+                                         r"devices are available; set one axis to -1 to fill$"):
+        mesh_shape(MeshSection(data=2), 4)
+    with pytest.raises(ValueError, match=r"^mesh: the fixed axis sizes .* do not divide the 4 "):
+        mesh_shape(MeshSection(data=-1, tensor=3), 4)
+    cfg = load_config(None, ["train.batch_size=6", "train.ctx_len=256"])
+    with pytest.raises(ValueError, match=r"^train\.batch_size: 6 sequences \(6 per micro-batch "
+                                         r"with train\.grad_accum=1\) is not divisible by mesh "
+                                         r"data\*fsdp = 4 devices$"):
+        check_against_mesh(cfg, {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1})
+    with pytest.raises(ValueError, match=r"^train\.ctx_len: 256 is not divisible by "
+                                         r"mesh\.sequence=3$"):
+        check_against_mesh(cfg, {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 3})
+    check_against_mesh(load_config(None, ["train.batch_size=8"]),
+                       {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 2})
+
+
+def test_model_section_merges_onto_tiny_defaults():
+    cfg = build_config({"model": {"n_layer": 2}})
+    assert cfg.model == dataclasses.replace(RunConfig().model, n_layer=2)
+    assert isinstance(cfg.model, ModelConfig)
+
+
+def test_cli_reports_one_line_error(capsys):
+    assert main(["train", "train.lrr=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("lwm-jax train: error: train.lrr: unknown key; valid keys: ")
+
+
+def test_cli_print_config(capsys, tmp_path):
+    assert main(["train", "--print-config", "model.n_layer=3", f"run_dir={tmp_path}"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["n_layer"] == 3 and printed["run_dir"] == str(tmp_path)
+    assert build_config(printed) == load_config(None, ["model.n_layer=3", f"run_dir={tmp_path}"])
+
+
+def test_cli_prepare_feeds_train_config(tmp_path, capsys):
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text('{"text": "def f(x):\\n    return x\\n"}\n{"text": "print(1)"}\n')
+    prefix = tmp_path / "out" / "mine"
+    prefix.parent.mkdir()
+    assert main(["prepare", "--input", str(docs), "--output", str(prefix), "--tokenizer", "byte",
+                 "--quiet"]) == 0
+    assert "2 documents" in capsys.readouterr().out
+    cfg = load_config(None, [f"data.path={prefix}"])
+    assert cfg.data.path == str(prefix)
+    assert main(["prepare", "--input", str(tmp_path / "none.txt"), "--output", str(prefix)]) == 2
+    assert capsys.readouterr().err.startswith("lwm-jax prepare: error: --input ")
+
+
+def test_token_ids_beyond_the_model_vocabulary_are_a_clear_error():
+    from lwm_jax.train.batches import to_global
+    from lwm_jax.train.sharding import make_mesh, tokens_sharding
+    mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
+    ok = np.arange(2 * 9, dtype=np.int32).reshape(2, 9)
+    assert to_global(ok, tokens_sharding(mesh), 2, vocab_size=18).shape == (2, 9)
+    with pytest.raises(ValueError, match=r"data: token id 17 is outside model.vocab_size=17"):
+        to_global(ok, tokens_sharding(mesh), 2, vocab_size=17)
