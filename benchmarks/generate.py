@@ -27,12 +27,13 @@ from flax import nnx
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.generate import Generator
 from lwm_jax.models.rwkv7 import RWKV7
+from lwm_jax.runtime import Runtime
 
 MODELS = {
-    "0.1b": ModelConfig(vocab_size=65536, n_layer=12, n_embd=768, scan_layers=True),
+    "0.1b": ModelConfig(vocab_size=65536, n_layer=12, n_embd=768),
     "1.5b": ModelConfig(vocab_size=65536, n_layer=24, n_embd=2048, decay_lora=96, a_lora=96,
-                        v_lora=64, gate_lora=256, scan_layers=True),
-    "tiny": ModelConfig(vocab_size=256, n_layer=2, n_embd=128, scan_layers=True),
+                        v_lora=64, gate_lora=256),
+    "tiny": ModelConfig(vocab_size=256, n_layer=2, n_embd=128),
 }
 
 
@@ -100,7 +101,8 @@ def main():
     dev = jax.devices()[0]
     rows = []
     for name in args.models:
-        model = RWKV7(MODELS[name], args.policy, rngs=nnx.Rngs(0))
+        model = RWKV7(MODELS[name], args.policy, runtime=Runtime(scan_layers=True),
+                      rngs=nnx.Rngs(0))
         base = {"model": name, "params_M": round(model.param_count() / 1e6, 2),
                 "policy": args.policy, "device": dev.device_kind, "jax": jax.__version__}
         results = [bench_prefill(model, *args.prefill, args.reps)]

@@ -16,6 +16,7 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
+from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.generate.sampling import SamplingParams
 from lwm_jax.models.rwkv7 import RWKV7
@@ -27,7 +28,8 @@ engine = importlib.import_module("lwm_jax.generate.engine")
 
 B, T, H, K, V = 2, 24, 2, 16, 16
 CHUNK = 16
-CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, head_size=32, chunk_size=16)
+CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, head_size=32)
+RT = Runtime(chunk_size=16)
 
 
 def _wkv_problem(dtype):
@@ -92,7 +94,7 @@ def test_model_contract(preset):
     """`model(tokens, return_state=True)`: float32 logits `[B, T, V]` and an `RWKV7State` of
     float32 `[L, B, C]`, `[L, B, C]`, `[L, B, H, N, N]` under every preset; parameters in the
     policy's param dtype. (Shapes only: traced, not run.)"""
-    model = RWKV7(CFG, preset, rngs=nnx.Rngs(0))
+    model = RWKV7(CFG, preset, runtime=RT, rngs=nnx.Rngs(0))
     L, C, Hh, N = CFG.n_layer, CFG.n_embd, CFG.n_head, CFG.head_size
     tokens = jnp.zeros((3, 5), jnp.int32)
     graphdef, params = nnx.split(model)
@@ -116,7 +118,7 @@ def test_decode_compiles_once_per_batch_size(monkeypatch):
                                                   static_argnums=(0, 1), donate_argnums=4))
     monkeypatch.setattr(engine, "_prefill", jax.jit(
         chex.assert_max_traces(engine._prefill_fn, n=1), static_argnums=0))
-    model = randomize_params(RWKV7(CFG, "fp32", rngs=nnx.Rngs(0)), seed=1)
+    model = randomize_params(RWKV7(CFG, "fp32", runtime=RT, rngs=nnx.Rngs(0)), seed=1)
     gen = engine.Generator(model, prefill_chunk=4, decode_block=4)
     first = gen.generate([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12, 13, 14, 15]],
                          max_new_tokens=9, sampling=SamplingParams(temperature=0.0))

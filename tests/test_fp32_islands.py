@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.diagnostics.probe import Probe
 from lwm_jax.layers.norms import layer_norm
@@ -32,7 +33,8 @@ time_mix_module = importlib.import_module("lwm_jax.models.rwkv7.time_mix")  # wh
 model_module = importlib.import_module("lwm_jax.models.rwkv7.model")  # where RWKV7 finds ln0's LN
 BF16, F16, F32 = jnp.bfloat16, jnp.float16, jnp.float32
 # same shapes as tests/models/rwkv7/test_model.py, so a shared pytest process reuses compiled eager ops
-CFG = ModelConfig(vocab_size=97, n_layer=3, n_embd=32, head_size=16, chunk_size=16)
+CFG = ModelConfig(vocab_size=97, n_layer=3, n_embd=32, head_size=16)
+RT = Runtime(chunk_size=16)
 
 
 def rel(x, ref):
@@ -42,7 +44,7 @@ def rel(x, ref):
 
 def layer_params(policy, layer=1, seed=0):
     """One layer's TimeMix parameters of a randomized small model (layer 1: value residual on)."""
-    model = randomize_params(RWKV7(CFG, policy, rngs=nnx.Rngs(seed)), seed=seed + 1)
+    model = randomize_params(RWKV7(CFG, policy, runtime=RT, rngs=nnx.Rngs(seed)), seed=seed + 1)
     att = param_dict(model)["blocks"]["att"]
     return jax.tree.map(lambda a: a[layer], att)
 
@@ -130,7 +132,7 @@ def test_b_wkv_state_is_fp32_over_a_long_sequence(monkeypatch):
 
 
 def test_b_model_state_stays_fp32_under_bf16():
-    model = RWKV7(CFG, "bf16", rngs=nnx.Rngs(0))
+    model = RWKV7(CFG, "bf16", runtime=RT, rngs=nnx.Rngs(0))
     _, st = model(jnp.ones((1, 4), jnp.int32), return_state=True)
     _, st = model(jnp.ones((1, 4), jnp.int32), state=st, return_state=True)
     assert {x.dtype for x in jax.tree.leaves(st)} == {jnp.dtype(F32)}
@@ -155,7 +157,7 @@ def _norm_ref(x, weight, bias, groups, eps):
 def _ln0_through_the_model(monkeypatch, island: bool):
     """The bf16 model's ln0 on embeddings 300 + N(0, 2²) (large mean, spread ~ bf16's spacing
     of 2 at 300): (probe 'ln0', float64 LayerNorm of probe 'emb')."""
-    model = RWKV7(CFG, "bf16", rngs=nnx.Rngs(0))
+    model = RWKV7(CFG, "bf16", runtime=RT, rngs=nnx.Rngs(0))
     model.emb[...] = (300 + normal(9, model.emb[...].shape, scale=2.0)).astype(BF16)
     model.ln0.weight[...] = (normal(7, (CFG.n_embd,), scale=0.5) + 1).astype(BF16)
     model.ln0.bias[...] = normal(8, (CFG.n_embd,), scale=0.1).astype(BF16)
@@ -295,7 +297,7 @@ def test_e_logits_and_loss_in_fp32():
                                           ("bf16", BF16), ("fp32", F32)])
 def test_wkv_inputs_share_one_dtype(monkeypatch, preset, dtype):
     calls = _capture_wkv7(monkeypatch)
-    model = randomize_params(RWKV7(CFG, preset, rngs=nnx.Rngs(0)), seed=1)
+    model = randomize_params(RWKV7(CFG, preset, runtime=RT, rngs=nnx.Rngs(0)), seed=1)
     model(jnp.ones((1, 6), jnp.int32))
     assert len(calls) == CFG.n_layer
     for call in calls:

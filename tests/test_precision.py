@@ -132,7 +132,7 @@ def test_overflowing_step_is_detected_for_skipping():
 # No gradient clipping, so that Adam's first moment holds the gradient itself (clipping and
 # Adam's normalisation would hide a gradient that is off by the loss scale).
 _FP16_OVERRIDES = ["model.vocab_size=32", "model.n_layer=1", "model.n_embd=32",
-                   "model.head_size=16", "model.wkv_impl=recurrent", "train.ctx_len=4",
+                   "model.head_size=16", "runtime.wkv_impl=recurrent", "train.ctx_len=4",
                    "train.batch_size=2", "train.warmup_steps=0", "train.grad_clip=0",
                    "precision=fp16-mixed"]
 

@@ -25,6 +25,7 @@ from flax import nnx
 from jax.extend import core as jex_core
 from safetensors.numpy import load_file
 
+from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.diagnostics.probe import Probe
 from lwm_jax.interop.api import export
@@ -38,7 +39,8 @@ from lwm_jax.train.trainer import build_program
 time_mix_module = importlib.import_module("lwm_jax.models.rwkv7.time_mix")
 step_module = importlib.import_module("lwm_jax.train.step")
 
-CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, head_size=32, chunk_size=16)
+CFG = ModelConfig(vocab_size=64, n_layer=2, n_embd=64, head_size=32)
+RT = Runtime(chunk_size=16)
 H, N = CFG.n_head, CFG.head_size
 F64 = np.float64
 
@@ -74,8 +76,8 @@ def preset_run(request):
     keep a bf16 intermediate such as x_w in f32 where it is consumed (XLA's excess precision),
     so the value a tap sees would not be exactly the value used."""
     preset = request.param
-    cfg = dataclasses.replace(CFG, wkv_impl="recurrent")      # the cheapest WKV to run eagerly
-    model = randomize_params(RWKV7(cfg, preset, rngs=nnx.Rngs(0)), seed=1)
+    rt = dataclasses.replace(RT, wkv_impl="recurrent")        # the cheapest WKV to run eagerly
+    model = randomize_params(RWKV7(CFG, preset, runtime=rt, rngs=nnx.Rngs(0)), seed=1)
     att = model.blocks.att
     att.k_a[...] = jnp.zeros_like(att.k_a[...])
     probe = Probe()
@@ -201,8 +203,8 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     `jax_default_matmul_precision` says). On CPU every precision computes the same numbers, so
     only the jaxpr can show this."""
     policy = parse_policy(spec)
-    cfg = dataclasses.replace(CFG, wkv_impl="chunked", remat=scan_remat, scan_layers=scan_remat)
-    graphdef, params = nnx.split(RWKV7(cfg, policy, rngs=nnx.Rngs(0)))
+    rt = dataclasses.replace(RT, wkv_impl="chunked", remat=scan_remat, scan_layers=scan_remat)
+    graphdef, params = nnx.split(RWKV7(CFG, policy, runtime=rt, rngs=nnx.Rngs(0)))
     tok = _tokens(1, 9)
 
     def loss(p):
@@ -235,7 +237,7 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
 # ---- 5. the trainer's train.l2wrap switch ---------------------------------------------------
 
 _L2WRAP_OVERRIDES = ["model.vocab_size=32", "model.n_layer=1", "model.n_embd=32",
-                     "model.head_size=16", "model.wkv_impl=recurrent", "train.ctx_len=4",
+                     "model.head_size=16", "runtime.wkv_impl=recurrent", "train.ctx_len=4",
                      "train.batch_size=2", "train.warmup_steps=0", "train.grad_clip=0",
                      "train.weight_decay=0", "precision=fp32"]
 TARGET = 7      # the token the rigged model predicts everywhere

@@ -91,7 +91,7 @@ def main() -> None:
     fail_step, params, tokens = failing
     inputs = tokens[:, :-1]
     T = t.ctx_len
-    stats = tap_stats(probe_model_fn(cfg.model, prog.policy), params, inputs)
+    stats = tap_stats(probe_model_fn(cfg.model, prog.policy, cfg.runtime), params, inputs)
     line = describe(stats, T)
     print(f"step {fail_step}: {line}", flush=True)
     with open(os.path.join(args.out, "taps.json"), "w") as f:
@@ -107,7 +107,7 @@ def main() -> None:
     layer = bad.name.split("/")[0] if bad is not None and bad.name.startswith("layer") else None
     if layer is not None:
         keep = {f"{layer}/att/{n}" for n in WKV_INPUTS}
-        _, recs = probed_forward(probe_model_fn(cfg.model, prog.policy), params, inputs,
+        _, recs = probed_forward(probe_model_fn(cfg.model, prog.policy, cfg.runtime), params, inputs,
                                  reduce=lambda name, x: x if name in keep else None)
         got = {name.rsplit("/", 1)[1]: x for name, x in recs if name in keep}
         norms = np.asarray(state_norms(*(got[n] for n in WKV_INPUTS)))   # [T, B, H]
@@ -132,9 +132,10 @@ def main() -> None:
     from lwm_jax.precision import parse_policy
     for impl, pol in (("recurrent", prog.policy.name), ("pallas", "fp32"),
                       ("recurrent", "fp32")):
-        mcfg = dataclasses.replace(cfg.model, wkv_impl=impl, remat=False, scan_layers=False)
+        rt = dataclasses.replace(cfg.runtime, wkv_impl=impl, remat=False, scan_layers=False)
         policy = parse_policy(pol)
-        gd, _ = nnx.split(nnx.eval_shape(lambda: RWKV7(mcfg, policy, rngs=nnx.Rngs(0))))
+        gd, _ = nnx.split(nnx.eval_shape(
+            lambda: RWKV7(cfg.model, policy, runtime=rt, rngs=nnx.Rngs(0))))
         fwd = jax.jit(lambda p, x: jnp.isfinite(nnx.merge(gd, p)(x)).all(axis=(0, 2)))
         ok_t = np.asarray(fwd(params, inputs))
         first = None if ok_t.all() else int(np.argmin(ok_t))

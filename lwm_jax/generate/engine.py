@@ -194,8 +194,9 @@ class Generator:
         # Decode graph: recurrent WKV (one token) and layers unrolled, not `lax.scan`ned, so
         # that the per-layer split below applies (a layer scan slices the stacked weights
         # inside the loop whatever we pass in).
-        step_cfg = dataclasses.replace(self.cfg, wkv_impl="recurrent", scan_layers=False)
-        self._step_graph = nnx.split(abstract_model(step_cfg, self.policy), nnx.Param, ...)[0]
+        step_rt = dataclasses.replace(model.runtime, wkv_impl="recurrent", scan_layers=False)
+        self._step_graph = nnx.split(abstract_model(self.cfg, self.policy, step_rt),
+                                     nnx.Param, ...)[0]
         self._init_state = model.init_state
 
     # ------------------------------------------------------------------ driver

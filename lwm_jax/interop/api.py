@@ -8,7 +8,6 @@ Formats (`format=` argument; detected from the path when None):
 """
 from __future__ import annotations
 
-import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -16,12 +15,12 @@ from typing import Any
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import hf, native, params, rwkv_pth
 from lwm_jax.precision import Policy
+from lwm_jax.runtime import RUNTIME_FIELDS, Runtime
 from lwm_jax.user_input import check_output_dir, check_output_file
 
 FORMATS = ("rwkv-pth", "hf", "lwm", "run")
 EXPORT_FORMATS = ("rwkv-pth", "hf")
 # Config fields that describe how to run the model, not its weights: callers may override them.
-RUNTIME_FIELDS = ("wkv_impl", "chunk_size", "remat", "scan_layers")
 
 
 def detect_format(path: str | os.PathLike) -> str:
@@ -69,17 +68,18 @@ def load_pretrained(path: str | os.PathLike, format: str | None = None,
                     policy: Policy | str = "fp32", **runtime: Any):
     """Load a checkpoint into an `RWKV7` model -> `(model, ModelConfig)`.
 
-    `runtime` may override `wkv_impl`, `chunk_size`, `remat`, `scan_layers` (they do not change
-    the weights). The returned config is the one the model was built with. Raises what
+    `runtime` may set `wkv_impl`, `chunk_size`, `remat`, `scan_layers` (a
+    `lwm_jax.runtime.Runtime`; they do not change the weights; `model.runtime` holds them).
+    The returned config is the architecture the model was built with. Raises what
     `read_params` raises, and TypeError for an unknown keyword.
     """
     bad = sorted(set(runtime) - set(RUNTIME_FIELDS))
     if bad:
         raise TypeError(f"load_pretrained: unknown keyword {bad[0]!r}; runtime overrides are "
                         f"{', '.join(RUNTIME_FIELDS)}")
+    rt = Runtime(**runtime)
     cfg, tree = read_params(path, format)
-    cfg = dataclasses.replace(cfg, **runtime)
-    return params.model_from_params(cfg, tree, policy), cfg
+    return params.model_from_params(cfg, tree, policy, rt), cfg
 
 
 def convert(input: str | os.PathLike, output_dir: str | os.PathLike,

@@ -24,11 +24,12 @@ def _model_cls():
     return RWKV7
 
 
-def abstract_model(cfg: ModelConfig, policy: Policy | str = "fp32"):
-    """An `RWKV7` whose arrays are `jax.ShapeDtypeStruct`s (no memory, no init compute)."""
+def abstract_model(cfg: ModelConfig, policy: Policy | str = "fp32", runtime=None):
+    """An `RWKV7` whose arrays are `jax.ShapeDtypeStruct`s (no memory, no init compute);
+    `runtime`: a `lwm_jax.runtime.Runtime` or None (defaults)."""
     pol = parse_policy(policy)
     cls = _model_cls()
-    return nnx.eval_shape(lambda: cls(cfg, pol, rngs=nnx.Rngs(0)))
+    return nnx.eval_shape(lambda: cls(cfg, pol, runtime=runtime, rngs=nnx.Rngs(0)))
 
 
 @functools.lru_cache(maxsize=8)
@@ -101,11 +102,13 @@ def check_finite(tree: dict, where: str) -> None:
         check_finite_array(value, path, where)
 
 
-def model_from_params(cfg: ModelConfig, tree: dict, policy: Policy | str = "fp32"):
-    """Build an `RWKV7` holding `tree` (checked against `cfg`; cast to the policy's param dtype)."""
+def model_from_params(cfg: ModelConfig, tree: dict, policy: Policy | str = "fp32",
+                      runtime=None):
+    """Build an `RWKV7` holding `tree` (checked against `cfg`; cast to the policy's param dtype),
+    run with `runtime` (a `lwm_jax.runtime.Runtime`; None = defaults)."""
     pol = parse_policy(policy)
     check_tree(cfg, tree, "params")
-    model = abstract_model(cfg, pol)
+    model = abstract_model(cfg, pol, runtime)
     state = nnx.state(model, nnx.Param)
     values = jax.tree.map(lambda x: jnp.asarray(x, dtype=pol.param_dtype), tree)
     nnx.replace_by_pure_dict(state, values)

@@ -1,10 +1,11 @@
 """Typed run configuration for `lwm-jax train`: YAML file + dotted overrides -> `RunConfig`.
 
-A run config has a few top-level keys (`name`, `run_dir`, `precision`) and five sections:
+A run config has a few top-level keys (`name`, `run_dir`, `precision`) and six sections:
 
 | section      | type              | what                                                        |
 |--------------|-------------------|-------------------------------------------------------------|
-| `model`      | `ModelConfig`     | RWKV-7 shapes (`lwm_jax.models.rwkv7.config.ModelConfig.from_dict`)      |
+| `model`      | `ModelConfig`     | RWKV-7 architecture (`lwm_jax.models.rwkv7.config.ModelConfig`) |
+| `runtime`    | `Runtime`         | WKV implementation, chunk, remat, layer scan (`lwm_jax.runtime`) |
 | `train`      | `TrainSection`    | optimiser, schedule, batch, loop cadence                    |
 | `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
 | `checkpoint` | `CheckpointSection` | where/how often to save, how many to keep, async or not   |
@@ -30,6 +31,7 @@ from typing import Any, Sequence
 import yaml
 
 from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.runtime import RUNTIME_FIELDS, Runtime
 from lwm_jax.precision import parse_policy
 from lwm_jax.user_input import load_yaml, load_yaml_file, short
 
@@ -132,6 +134,7 @@ class RunConfig:
     run_dir: str | None = None
     precision: str = "fp32"
     model: ModelConfig = TINY_MODEL
+    runtime: Runtime = Runtime()
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
@@ -158,7 +161,7 @@ class RunConfig:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
 
 
-_SECTIONS = {"train": TrainSection, "data": DataSection, "checkpoint": CheckpointSection,
+_SECTIONS = {"runtime": Runtime, "train": TrainSection, "data": DataSection, "checkpoint": CheckpointSection,
              "mesh": MeshSection}
 _TOP_SCALARS = ("name", "run_dir", "precision")
 
@@ -301,6 +304,7 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     model_raw = raw.get("model", {})
     if not isinstance(model_raw, dict):
         _fail("model", f"expected a mapping of keys, got {short(model_raw)}")
+    raw, model_raw = _move_legacy_runtime_keys(raw, model_raw)
     model_hints = typing.get_type_hints(ModelConfig)      # typed here: messages stay short
     model_raw = {k: _coerce(f"model.{k}", v, model_hints[k]) if k in model_hints else v
                  for k, v in model_raw.items()}
@@ -314,6 +318,24 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     cfg = RunConfig(**top, model=model, **sections)
     _check_values(cfg)
     return cfg
+
+
+def _move_legacy_runtime_keys(raw: dict[str, Any], model_raw: dict[str, Any]):
+    """Configs written before the `runtime:` section kept `wkv_impl`, `chunk_size`, `remat` and
+    `scan_layers` under `model:`; they still load, moved to `runtime:` (a key set in both
+    places is a one-line error)."""
+    legacy = {k: v for k, v in model_raw.items() if k in RUNTIME_FIELDS}
+    if not legacy:
+        return raw, model_raw
+    runtime_raw = raw.get("runtime", {})
+    if not isinstance(runtime_raw, dict):
+        _fail("runtime", f"expected a mapping of keys, got {short(runtime_raw)}")
+    both = sorted(set(legacy) & set(runtime_raw))
+    if both:
+        _fail(f"model.{both[0]}", f"is a runtime key, also set as runtime.{both[0]}; keep only "
+                                  f"runtime.{both[0]}")
+    rest = {k: v for k, v in model_raw.items() if k not in RUNTIME_FIELDS}
+    return {**raw, "runtime": {**runtime_raw, **legacy}}, rest
 
 
 def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:

@@ -62,11 +62,11 @@ def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | No
     `_SLACK * have`. No-op when either side is unknown."""
     if usage is None or not have or usage["peak"] <= _SLACK * have:
         return
-    t, m = cfg.train, cfg.model
+    t = cfg.train
     fixes = [f"lower train.batch_size (raise train.grad_accum to keep {t.batch_size} sequences "
              "per step)", "lower train.ctx_len"]
-    if not m.remat:
-        fixes.append("set model.remat=true")
+    if not cfg.runtime.remat:
+        fixes.append("set runtime.remat=true")
     if t.loss_chunk == 0 or t.loss_chunk > 1024:
         fixes.append("set train.loss_chunk=1024")
     raise ValueError(
@@ -90,7 +90,7 @@ def compile_step(cfg: RunConfig, train_step, state, tokens, *,
         raise ValueError(f"train.batch_size={t.batch_size}, train.ctx_len={t.ctx_len}: XLA "
                          "could not fit the train step in device memory while compiling; lower "
                          "train.batch_size (raise train.grad_accum), lower train.ctx_len or set "
-                         "model.remat=true") from None
+                         "runtime.remat=true") from None
     have, what = memory if memory is not None else device_memory()
     check_step_fits(cfg, step_bytes(compiled), have, what)
     return compiled

@@ -24,6 +24,7 @@ from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.loss_scale import loss_scale_for
 from lwm_jax.models.rwkv7 import RWKV7, probe_model_fn
 from lwm_jax.precision import parse_policy
+from lwm_jax.runtime import RUNTIME_FIELDS
 from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import Checkpointer, CheckpointWriteError, abstract_with_shardings
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
@@ -94,13 +95,14 @@ def build_program(cfg: RunConfig) -> TrainProgram:
     mesh = make_mesh(sizes)
 
     # Model shapes (nothing allocated yet), optimizer, shardings.
-    abstract_model = nnx.eval_shape(lambda: RWKV7(cfg.model, policy, rngs=nnx.Rngs(t.seed)))
+    build = lambda: RWKV7(cfg.model, policy, runtime=cfg.runtime, rngs=nnx.Rngs(t.seed))  # noqa
+    abstract_model = nnx.eval_shape(build)
     graphdef, abstract_params, axes = split_model(abstract_model)
     tx = make_optimizer(t, abstract_params, axes)
     lr_at = lr_schedule(t)
 
     def fresh_state() -> TrainState:
-        _, params, _ = split_model(RWKV7(cfg.model, policy, rngs=nnx.Rngs(t.seed)))
+        _, params, _ = split_model(build())
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params),
                           loss_scale_for(policy), jax.random.PRNGKey(t.seed))
 
@@ -272,14 +274,16 @@ def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> s
             f"skipped (parameters unchanged; last at step {bad_step})")
     try:
         inputs = tokens[0, :, :-1] if tokens.ndim == 3 else tokens[:, :-1]
-        stats = tap_stats(probe_model_fn(cfg.model, policy), params, inputs)
+        stats = tap_stats(probe_model_fn(cfg.model, policy, cfg.runtime), params, inputs)
         return f"{head}; {describe(stats, int(inputs.shape[1]))}"
     except Exception as err:   # the stop and its checkpoint matter more than the diagnosis
         return f"{head}; the forward re-run that localises it failed ({type(err).__name__}: {err})"
 
 
 def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
-    """Refuse to resume a run dir whose checkpoints hold another model shape or precision."""
+    """Refuse to resume a run dir whose checkpoints hold another model shape or precision
+    (the runtime may change between resumes; older saved configs kept its keys under
+    `model:`, which are ignored here)."""
     if not os.path.isfile(saved_path) or not os.path.isdir(cfg.checkpoint_dir):
         return
     saved = load_yaml_file(saved_path) or {}
@@ -288,6 +292,8 @@ def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
     new = cfg.to_dict()
     for key in ("model", "precision"):
         old_value = saved.get(key)
+        if key == "model" and isinstance(old_value, dict):
+            old_value = {k: v for k, v in old_value.items() if k not in RUNTIME_FIELDS}
         if old_value is not None and old_value != new[key]:
             if isinstance(old_value, dict):
                 diff = sorted(k for k in new[key] if old_value.get(k) != new[key][k])

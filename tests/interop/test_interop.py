@@ -192,7 +192,7 @@ def test_cross_format_and_native_convert(tree, tmp_path):
     convert(tmp_path / "hf", tmp_path / "ours")
     assert detect_format(tmp_path / "ours") == "lwm"
     model, cfg = load_pretrained(tmp_path / "ours", wkv_impl="recurrent")
-    assert cfg.wkv_impl == "recurrent" and model.cfg == cfg
+    assert model.runtime.wkv_impl == "recurrent" and model.cfg == cfg
     assert_trees_equal(tree, params_from_model(model), skip_layer0_value=True)
     export(model, tmp_path / "from_model.pth", format="rwkv-pth", dtype="f32")
     _, back2 = read_params(tmp_path / "from_model.pth")

@@ -44,7 +44,7 @@ def test_0p1b_bf16_mixed_trains_100_steps_on_random_tokens_without_a_nonfinite_l
 def test_chunked_fallback_step_compiles_within_the_gpu_memory():
     """The pure-XLA WKV (the path for backends without our kernel) at the same shape asked XLA
     for 110 GiB before its chunk terms were grouped and checkpointed."""
-    cfg = load_config("configs/rwkv7-0.1b.yaml", [*RECIPE, "model.wkv_impl=chunked"])
+    cfg = load_config("configs/rwkv7-0.1b.yaml", [*RECIPE, "runtime.wkv_impl=chunked"])
     prog = build_program(cfg)
     tokens = jax.ShapeDtypeStruct((8, 4097), jnp.int32)
     mem = prog.train_step.lower(prog.abstract_state, tokens).compile().memory_analysis()

@@ -43,7 +43,7 @@ def test_a_step_that_does_not_fit_is_refused_in_one_line():
     msg = str(err.value)
     assert "\n" not in msg
     assert msg.startswith("train.batch_size=4, train.ctx_len=64: the compiled train step needs")
-    assert "test memory" in msg and "model.remat=true" in msg and "train.grad_accum" in msg
+    assert "test memory" in msg and "runtime.remat=true" in msg and "train.grad_accum" in msg
     # enough memory: the compiled step is returned and trains
     step = compile_step(cfg, prog.train_step, state, tokens, memory=(4 * need, "test memory"))
     state, metrics = step(state, tokens)

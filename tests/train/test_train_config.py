@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
+from lwm_jax.runtime import Runtime
 from lwm_jax.cli import main
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.data import write_binidx
@@ -93,7 +94,14 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                       "loss_chunk, lr, max_consecutive_skips, min_lr, seed, steps, "
                       "warmup_steps, weight_decay"),
     (["foo=1"], "foo: unknown key; valid keys: checkpoint, data, mesh, model, name, precision, "
-                "run_dir, train"),
+                "run_dir, runtime, train"),
+    (["runtime.wkv_impl=fast"], "runtime.wkv_impl: 'fast' is not one of ('auto', 'pallas', "
+                                "'chunked', 'recurrent')"),
+    (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
+    (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, remat, "
+                            "scan_layers, wkv_impl"),
+    (["model.remat=true", "runtime.remat=false"],
+     "model.remat: is a runtime key, also set as runtime.remat; keep only runtime.remat"),
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),
     (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
     (["train.steps=1.5"], "train.steps: expected an integer, got 1.5"),
@@ -145,6 +153,16 @@ def test_device_dependent_checks():
                        {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 2})
 
 
+def test_runtime_keys_of_older_configs_still_load_from_the_model_section():
+    """Before the `runtime:` section, wkv_impl / chunk_size / remat / scan_layers sat under
+    `model:`; such configs (and saved run configs) load, with the keys moved to `runtime`."""
+    cfg = build_config({"model": {"n_layer": 2, "wkv_impl": "recurrent", "remat": True}})
+    assert cfg.runtime == Runtime(wkv_impl="recurrent", remat=True)
+    assert cfg.model == dataclasses.replace(RunConfig().model, n_layer=2)
+    assert "remat" not in cfg.to_dict()["model"] and cfg.to_dict()["runtime"]["remat"] is True
+    assert build_config(cfg.to_dict()) == cfg
+
+
 def test_model_section_merges_onto_tiny_defaults():
     cfg = build_config({"model": {"n_layer": 2}})
     assert cfg.model == dataclasses.replace(RunConfig().model, n_layer=2)
@@ -187,3 +205,23 @@ def test_token_ids_beyond_the_model_vocabulary_are_a_clear_error():
     assert to_global(ok, tokens_sharding(mesh), 2, vocab_size=18).shape == (2, 9)
     with pytest.raises(ValueError, match=r"data: token id 17 is outside model.vocab_size=17"):
         to_global(ok, tokens_sharding(mesh), 2, vocab_size=17)
+
+
+def test_resuming_accepts_a_saved_config_with_runtime_keys_under_model(tmp_path):
+    """A run dir written before the `runtime:` section resumes; a changed runtime does not
+    block a resume (it changes no parameter), a changed architecture still does."""
+    import yaml
+    from lwm_jax.train.trainer import _check_same_model
+    cfg = load_config(None, [f"run_dir={tmp_path}", "runtime.remat=true"])
+    os.makedirs(cfg.checkpoint_dir)
+    old = cfg.to_dict()
+    old["model"] = {**old["model"], "wkv_impl": "auto", "chunk_size": 0, "remat": False,
+                    "scan_layers": False}
+    del old["runtime"]
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(old))
+    _check_same_model(str(saved), cfg)
+    old["model"]["n_layer"] = cfg.model.n_layer + 1
+    saved.write_text(yaml.safe_dump(old))
+    with pytest.raises(ValueError, match="model.n_layer="):
+        _check_same_model(str(saved), cfg)

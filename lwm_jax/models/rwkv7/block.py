@@ -44,7 +44,7 @@ class Block(nnx.Module):
 
 
 def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
-                  segment_ids_BT=None, probe=None):
+                  runtime, segment_ids_BT=None, probe=None):
     """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
 
     Args:
@@ -53,6 +53,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       v_first_BTC: `[B, T, C]` layer 0's value (None when `first`).
       state: this layer's `LayerState` (float32).
       first: True for layer 0 only (a Python bool: it changes the traced program).
+      cfg, policy, runtime: `ModelConfig`, `Policy`, `Runtime` (WKV implementation and chunk).
       probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
         residual stream after each (`x_att`, `x_out`).
     Returns:
@@ -62,7 +63,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
-        head_size=cfg.head_size, wkv_impl=cfg.wkv_impl, chunk_size=cfg.chunk_size or None,
+        head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
         segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"))
     x_BTC = x_BTC + att
     if probe is not None:

@@ -9,7 +9,7 @@ import dataclasses
 import math
 from typing import Any
 
-WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
+from lwm_jax.runtime import RUNTIME_FIELDS
 
 
 def default_lora_rank(factor: float) -> int:
@@ -29,12 +29,9 @@ class ModelConfig:
       decay_lora / a_lora / v_lora / gate_lora: low-rank sizes; 0 = RWKV-LM's default rule
         (see `resolved()`), read from tensor shapes when importing a checkpoint.
       ffn_mult: ChannelMix hidden size = ffn_mult * C (4 in RWKV-7).
-      wkv_impl: WKV7 implementation ("auto" = Pallas kernel on GPU/TPU, chunked XLA on CPU).
-      chunk_size: chunk length for the chunked and Pallas WKV7; 0 = the implementation's
-        default (Pallas: 32 on GPU, 64 on TPU; chunked XLA: 64).
-      remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
-      scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
-        Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
+
+    Architecture only: how the model runs (WKV implementation, chunk, remat, layer scan) is a
+    `lwm_jax.runtime.Runtime`, passed to the model beside this config.
     """
 
     vocab_size: int = 65536
@@ -46,10 +43,6 @@ class ModelConfig:
     v_lora: int = 0
     gate_lora: int = 0
     ffn_mult: int = 4
-    wkv_impl: str = "auto"
-    chunk_size: int = 0
-    remat: bool = False
-    scan_layers: bool = False
 
     def __post_init__(self):
         def bad(field, msg):
@@ -58,18 +51,12 @@ class ModelConfig:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 bad(f, f"must be a positive integer, got {v!r}")
-        for f in ("decay_lora", "a_lora", "v_lora", "gate_lora", "chunk_size"):
+        for f in ("decay_lora", "a_lora", "v_lora", "gate_lora"):
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                rule = "the implementation's default" if f == "chunk_size" else "RWKV-LM default rule"
-                bad(f, f"must be an integer >= 0 (0 = {rule}), got {v!r}")
+                bad(f, f"must be an integer >= 0 (0 = RWKV-LM default rule), got {v!r}")
         if self.n_embd % self.head_size:
             bad("n_embd", f"{self.n_embd} is not a multiple of model.head_size={self.head_size}")
-        if self.wkv_impl not in WKV_IMPLS:
-            bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
-        for f in ("remat", "scan_layers"):
-            if not isinstance(getattr(self, f), bool):
-                bad(f, f"must be true or false, got {getattr(self, f)!r}")
 
     @property
     def n_head(self) -> int:
@@ -103,9 +90,13 @@ class ModelConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "model") -> "ModelConfig":
-        """Build from a plain dict (YAML `model:` section); unknown keys are a one-line error."""
+        """Build from a plain dict (YAML `model:` section, a checkpoint's saved config); unknown
+        keys are a one-line error. The runtime keys older files kept here (`wkv_impl`,
+        `chunk_size`, `remat`, `scan_layers`) are not architecture and are left out (a run
+        config moves them to its `runtime:` section first: `split_legacy_runtime`)."""
         if not isinstance(d, dict):
             raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
+        d = {k: v for k, v in d.items() if k not in RUNTIME_FIELDS}
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - names)
         if unknown:

@@ -1,7 +1,7 @@
 """The RWKV-7 ("x070") language model in Flax NNX.
 
 ```python
-model = RWKV7(cfg, policy, rngs=nnx.Rngs(0))
+model = RWKV7(cfg, policy, rngs=nnx.Rngs(0))                    # runtime=Runtime() default
 logits_BTV = model(tokens_BT)                                   # float32 logits
 logits_BTV, state = model(tokens_BT, state=None, return_state=True, segment_ids=None)
 state = model.init_state(batch_size)                            # RWKV7State of zeros
@@ -56,6 +56,7 @@ from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.precision import Policy, parse_policy
+from lwm_jax.runtime import Runtime
 
 
 @jax.tree_util.register_dataclass
@@ -80,13 +81,20 @@ class RWKV7(nnx.Module):
       cfg: `ModelConfig` (zero LoRA ranks are resolved with RWKV-LM's rule; `self.cfg` holds
         the resolved copy).
       policy: `Policy` or a string accepted by `parse_policy` (e.g. "bf16-mixed").
+      runtime: `Runtime` (WKV implementation, chunk, remat, layer scan); None = defaults.
+        It changes how the model runs, never its math or parameter tree.
       rngs: `nnx.Rngs`; the `params` stream seeds every random init.
     """
 
-    def __init__(self, cfg: ModelConfig, policy: Policy | str, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, policy: Policy | str, *, runtime: Runtime | None = None,
+                 rngs: nnx.Rngs):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"RWKV7: cfg must be a lwm_jax.ModelConfig, got {type(cfg).__name__}")
+        if runtime is not None and not isinstance(runtime, Runtime):
+            raise TypeError(f"RWKV7: runtime must be a lwm_jax.runtime.Runtime, got "
+                            f"{type(runtime).__name__}")
         self.cfg = cfg.resolved()
+        self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.emb = nnx.Param(init.embedding(rngs.params(), V, C, pd),
@@ -162,7 +170,7 @@ class RWKV7(nnx.Module):
                              f"tokens' shape {(B, T)}")
         if segment_ids is not None:
             segment_ids = jnp.asarray(segment_ids)
-        if probe is not None and (self.cfg.remat or self.cfg.scan_layers):
+        if probe is not None and (self.runtime.remat or self.runtime.scan_layers):
             raise ValueError("RWKV7: a probe needs a model built with remat=False and "
                              "scan_layers=False (it cannot look inside jax.checkpoint or lax.scan)")
         tap = probe or (lambda name, x: None)
@@ -190,14 +198,14 @@ class RWKV7(nnx.Module):
 
     def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
         """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
-        cfg, policy = self.cfg, self.policy
+        cfg, policy, rt = self.cfg, self.policy, self.runtime
 
         def make(first):
-            fn = partial(block_forward, first=first, cfg=cfg, policy=policy)
+            fn = partial(block_forward, first=first, cfg=cfg, policy=policy, runtime=rt)
 
             def step(p, x, v_first, st, seg, layer_probe=None):
                 return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
-            return jax.checkpoint(step) if cfg.remat else step
+            return jax.checkpoint(step) if rt.remat else step
 
         first_step, rest_step = make(True), make(False)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
@@ -205,7 +213,7 @@ class RWKV7(nnx.Module):
                                         segment_ids, scoped(probe, "layer0"))
         if cfg.n_layer == 1:
             return x_BTC, jax.tree.map(lambda a: a[None], s0)
-        if cfg.scan_layers:
+        if rt.scan_layers:
             def body(carry, xs):
                 x, vf = carry
                 x, vf, st = rest_step(xs[0], x, vf, xs[1], segment_ids)
@@ -249,9 +257,9 @@ def head_fn(policy: Policy):
     return f
 
 
-def probe_model_fn(cfg: ModelConfig, policy):
+def probe_model_fn(cfg: ModelConfig, policy, runtime: Runtime | None = None):
     """`() -> RWKV7` for `lwm_jax.diagnostics.nonfinite.probed_forward` / `tap_stats`: the same
-    math and parameter tree as `cfg`, with remat and layer scan off so that every layer's taps
-    are recorded under their own names."""
-    cfg = dataclasses.replace(cfg, remat=False, scan_layers=False)
-    return lambda: RWKV7(cfg, policy, rngs=nnx.Rngs(0))
+    math, parameter tree and WKV implementation as (`cfg`, `runtime`), with remat and layer
+    scan off so that every layer's taps are recorded under their own names."""
+    rt = dataclasses.replace(runtime or Runtime(), remat=False, scan_layers=False)
+    return lambda: RWKV7(cfg, policy, runtime=rt, rngs=nnx.Rngs(0))

@@ -8,6 +8,7 @@ import optax
 import pytest
 from flax import nnx
 
+from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.models.rwkv7 import RWKV7, RWKV7State
 from lwm_jax.models.rwkv7.reference import forward_np
@@ -22,14 +23,16 @@ def rel(x, ref):
 
 
 def small_cfg(**kw):
-    base = dict(vocab_size=97, n_layer=3, n_embd=32, head_size=16, chunk_size=16,
-                wkv_impl="chunked")
-    base.update(kw)
-    return ModelConfig(**base)
+    return ModelConfig(**{**dict(vocab_size=97, n_layer=3, n_embd=32, head_size=16), **kw})
 
 
-def make(cfg, policy="fp32", seed=0, scale=1.0):
-    return randomize_params(RWKV7(cfg, policy, rngs=nnx.Rngs(seed)), seed=seed + 1, scale=scale)
+def small_rt(**kw):
+    return Runtime(**{**dict(chunk_size=16, wkv_impl="chunked"), **kw})
+
+
+def make(cfg, policy="fp32", seed=0, scale=1.0, rt=None):
+    return randomize_params(RWKV7(cfg, policy, runtime=rt or small_rt(), rngs=nnx.Rngs(seed)),
+                            seed=seed + 1, scale=scale)
 
 
 def tokens(B, T, V, seed=0):
@@ -59,8 +62,8 @@ def test_matches_float64_reference_with_packed_documents():
 
 @pytest.mark.parametrize("impl,scan", [("chunked", False), ("recurrent", True)])
 def test_split_sequence_state_carry_equals_one_pass(impl, scan):
-    cfg = small_cfg(wkv_impl=impl, scan_layers=scan)
-    model = make(cfg)
+    cfg = small_cfg()
+    model = make(cfg, rt=small_rt(wkv_impl=impl, scan_layers=scan))
     tok = tokens(2, 37, cfg.vocab_size, seed=3)
     full, full_state = model(tok, return_state=True)
     first, mid = model(tok[:, :20], return_state=True)
@@ -160,7 +163,7 @@ def test_scan_with_remat_equals_python_loop(fp32_run):
     logits and gradients. (Scan without remat is exercised by the state-carry test.)"""
     loop_model, loop_logits, loop_grads = fp32_run
     loop_params = param_dict(loop_model)
-    model = make(small_cfg(scan_layers=True, remat=True), scale=_GRAD_SCALE)
+    model = make(small_cfg(), scale=_GRAD_SCALE, rt=small_rt(scan_layers=True, remat=True))
     (loss, logits), grads = loss_and_grads(model, _GRAD_TOKENS)
     params, grads = param_dict(model), nnx.to_pure_dict(nnx.state(grads))
     assert jax.tree.structure(params) == jax.tree.structure(loop_params)

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from lwm_jax.runtime import Runtime
 from lwm_jax import ModelConfig
 from lwm_jax.ops.wkv7.pallas_gpu.op import wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu
@@ -93,9 +94,8 @@ def test_every_chunked_path_is_exact_on_aligned_keys(path):
 
 
 def _aligned_model_logits_error(impl):
-    cfg = ModelConfig(vocab_size=64, n_layer=1, n_embd=64, head_size=64, wkv_impl=impl,
-                      chunk_size=64)
-    model = RWKV7(cfg, "fp32", rngs=nnx.Rngs(0))
+    cfg = ModelConfig(vocab_size=64, n_layer=1, n_embd=64, head_size=64)
+    model = RWKV7(cfg, "fp32", runtime=Runtime(wkv_impl=impl, chunk_size=64), rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     att = params["blocks"]["att"]
     rng = np.random.default_rng(0)
