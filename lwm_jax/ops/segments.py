@@ -62,3 +62,16 @@ def segment_counter(segment_ids_BT):
     Two positions t >= s lie in the same document iff their counters are equal.
     """
     return jnp.cumsum(reset_flags(jnp.asarray(segment_ids_BT)).astype(jnp.int32), axis=1)
+
+
+def chunk_reset_counter(segment_ids_BT, T_pad: int, C: int):
+    """`[B, T_pad]` int32: resets counted from the start of each length-`C` chunk up to and
+    including each position; 0 means "same document as the state that enters the chunk". The
+    ids are padded to `T_pad` (a multiple of `C`) by repeating the last id, so padded positions
+    never reset. The chunked kernels (GPU and TPU) compare these per-chunk counters."""
+    B, T = segment_ids_BT.shape
+    ids = jnp.pad(jnp.asarray(segment_ids_BT).astype(jnp.int32), ((0, 0), (0, T_pad - T)),
+                  mode="edge")
+    count_BNC = segment_counter(ids).reshape(B, T_pad // C, C)
+    before_BN = jnp.pad(count_BNC[:, :-1, -1], ((0, 0), (1, 0)))
+    return (count_BNC - before_BN[:, :, None]).reshape(B, T_pad)

@@ -13,6 +13,17 @@ INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 # each backend maps them in its own module (chunked: XLA names; pallas_gpu / pallas_tpu: their
 # dot precisions); "tf32x3" runs as "highest" where there is no 3xTF32.
 PRECISIONS = ("default", "high", "highest", "tf32x3")
+# RWKV-7's decay bound: w = -exp(-0.5) * sigmoid(.) > W_MIN, so -(sum of w over C steps) < C * 0.61.
+# Exponent-range strategies (each path's longest chunk is set so that its largest exponent stays
+# below ~40 at this bound, half of float32's e^88 overflow; `tests/ops/wkv7/test_wkv7_limits.py`
+# runs every path at its longest chunk with every w at the bound):
+#   chunked (XLA): exponents are sums over forward intervals inside 16-token sub-blocks: <= 0
+#     for any w <= 0 and any chunk length (no limit);
+#   pallas_gpu:    e^{+-g} factors around the chunk start: |exponent| <= C * 0.61 -> C <= 64;
+#   pallas_tpu:    factors around the chunk's middle: |exponent| <= C * 0.61 / 2 -> C <= 128.
+W_MIN = -0.6065306597126334          # -exp(-0.5)
+GPU_MAX_CHUNK = 64
+TPU_MAX_CHUNK = 128
 
 
 def check_wkv7_inputs(r, w, k, v, a, b, initial_state=None, segment_ids=None):

@@ -56,8 +56,7 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
         chunk_size = 64 if backend == "tpu" and not interpret else 32
     if backend == "tpu" and not interpret:
         from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu  # imported lazily: Mosaic TPU only
-        tpu_precision = "highest" if precision == "tf32x3" else precision   # no TF32 on TPU
-        extra = {} if precision is None else {"precision": tpu_precision}
+        extra = {} if precision is None else {"precision": precision}
         return wkv7_tpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
                         **extra)
     if interpret is None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.ops.wkv7.pallas import Tuning, wkv7_pallas
-from lwm_jax.ops.wkv7.pallas_gpu.op import chunk_reset_counter
+from lwm_jax.ops.segments import chunk_reset_counter
 from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.recurrent import wkv7_recurrent

@@ -100,3 +100,11 @@ def test_tf32x3_is_an_opt_in_wkv_precision_that_each_backend_can_run(wkv7_proble
         a = wkv7(*xs, impl=impl, chunk_size=16, precision="tf32x3")
         b = wkv7(*xs, impl=impl, chunk_size=16, precision="highest")
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_every_backend_maps_exactly_the_contracts_precision_names():
+    from lwm_jax.ops.wkv7 import PRECISIONS as NAMES
+    from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS as GPU
+    from lwm_jax.ops.wkv7.pallas_tpu.op import _PRECISIONS as TPU
+    from lwm_jax.precision import WKV_PRECISIONS
+    assert set(GPU) == set(TPU) == set(NAMES) == set(WKV_PRECISIONS)

@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from lwm_jax.ops.wkv7.pallas_gpu import tiles, tiles_bwd_stacked
+from lwm_jax.ops.wkv7.tile_dots import mm, mm_tn
 
 _F32 = jnp.float32
 _SQ = pl.squeezed
@@ -167,9 +168,9 @@ def seq_fwd(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interp
             if want_states:
                 st_ref[0][c] = S
             if with_out:
-                o = tiles.mm(Q_ref[c], S, prec) + O0_ref[c]
+                o = mm(Q_ref[c], S, prec) + O0_ref[c]
                 o_ref[pl.ds(c * C, C), :] = o.astype(o_ref.dtype)
-            return tiles.mm(M_ref[c], S, prec) + D_ref[c]
+            return mm(M_ref[c], S, prec) + D_ref[c]
 
         sT_ref[...] = jax.lax.fori_loop(0, NT, body, s0_ref[...])
 
@@ -201,7 +202,7 @@ def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
     B = BH // H
 
     def kernel(Q_ref, O0_ref, s_ref, o_ref):
-        o_ref[...] = (tiles.mm(Q_ref[...], s_ref[...], prec) + O0_ref[...]).astype(o_ref.dtype)
+        o_ref[...] = (mm(Q_ref[...], s_ref[...], prec) + O0_ref[...]).astype(o_ref.dtype)
 
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((B, NT * C, H, V), out_dtype), grid=(BH, NT),
@@ -223,7 +224,7 @@ def seq_bwd(M, Q, do, dsT, *, H, C, prec, tune, interpret):
             c = NT - 1 - i
             dS_ref[c] = dS
             dO = do_ref[pl.ds(c * C, C), :].astype(_F32)
-            return tiles.mm_tn(M_ref[c], dS, prec) + tiles.mm_tn(Q_ref[c], dO, prec)
+            return mm_tn(M_ref[c], dS, prec) + mm_tn(Q_ref[c], dO, prec)
 
         ds0_ref[...] = jax.lax.fori_loop(0, NT, body, dsT_ref[...])
 

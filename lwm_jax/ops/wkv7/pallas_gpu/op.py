@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from lwm_jax.ops.wkv7.pallas_gpu import launches
 from lwm_jax.ops.wkv7.contract import INPUT_DTYPES as _FLOATS
-from lwm_jax.ops.wkv7.contract import check_wkv7_inputs
+from lwm_jax.ops.wkv7.contract import GPU_MAX_CHUNK, check_wkv7_inputs
+from lwm_jax.ops.segments import chunk_reset_counter
 from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
 
 MAX_K = 64  # larger key sizes are untested (V = 128 in one program exceeded an H200's 227 KiB
@@ -89,22 +90,12 @@ def validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dt
         raise ValueError(f"K (head size of r/k) = {K} exceeds the GPU kernel's limit {MAX_K}; "
                          "use impl='chunked' for larger heads")
     if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 16
-            or not _pow2(chunk_size)):
-        raise ValueError(f"chunk_size must be a power of two >= 16 for the GPU kernel, "
-                         f"got {chunk_size!r}")
+            or not _pow2(chunk_size) or chunk_size > GPU_MAX_CHUNK):
+        raise ValueError(f"chunk_size must be a power of two in [16, {GPU_MAX_CHUNK}] for the GPU "
+                         f"kernel (longer chunks can overflow float32 exponents at RWKV-7's "
+                         f"strongest decay), got {chunk_size!r}")
     if output_dtype is not None and jnp.dtype(output_dtype) not in _FLOATS:
         raise TypeError(f"output_dtype must be float32, bfloat16 or float16, got {output_dtype}")
-
-
-def chunk_reset_counter(segment_ids, T_pad, C):
-    """int32 [B, T_pad]: resets (id differs from the previous position's) counted from the start
-    of each chunk up to and including each position; 0 means "same document as the state that
-    enters the chunk". Padding repeats the last id, so padded positions never reset."""
-    B, T = segment_ids.shape
-    ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, T_pad - T)), mode="edge")
-    resets = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
-                              (ids[:, 1:] != ids[:, :-1]).astype(jnp.int32)], axis=1)
-    return jnp.cumsum(resets.reshape(B, T_pad // C, C), axis=2).reshape(B, T_pad)
 
 
 def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=32,

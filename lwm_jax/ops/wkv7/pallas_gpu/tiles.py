@@ -38,26 +38,9 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.ops.wkv7 import tril_inverse
+from lwm_jax.ops.wkv7.tile_dots import mm, mm_nt, mm_tn
 
 _F32 = jnp.float32
-
-
-def mm(x, y, prec):
-    """x [m, k] @ y [k, n] -> [m, n] float32."""
-    return jax.lax.dot_general(x, y, (((1,), (0,)), ((), ())), precision=prec,
-                               preferred_element_type=_F32)
-
-
-def mm_tn(x, y, prec):
-    """x^T @ y for x [k, m], y [k, n] -> [m, n] float32."""
-    return jax.lax.dot_general(x, y, (((0,), (0,)), ((), ())), precision=prec,
-                               preferred_element_type=_F32)
-
-
-def mm_nt(x, y, prec):
-    """x @ y^T for x [m, k], y [n, k] -> [m, n] float32."""
-    return jax.lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=prec,
-                               preferred_element_type=_F32)
 
 
 def _masks(C, n):

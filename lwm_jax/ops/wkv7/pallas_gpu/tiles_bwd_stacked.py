@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.ops.wkv7.pallas_gpu.tiles import mm, mm_nt, mm_tn
+from lwm_jax.ops.wkv7.tile_dots import mm, mm_nt, mm_tn
 
 _F32 = jnp.float32
 

@@ -20,12 +20,14 @@ import jax.numpy as jnp
 from lwm_jax.ops.wkv7.pallas_tpu.bwd import wkv7_bwd_pallas
 from lwm_jax.ops.wkv7.pallas_tpu.fwd import wkv7_fwd_pallas
 from lwm_jax.ops.wkv7.contract import INPUT_DTYPES as _FLOATS
-from lwm_jax.ops.wkv7.contract import check_wkv7_inputs
+from lwm_jax.ops.wkv7.contract import TPU_MAX_CHUNK, check_wkv7_inputs
+from lwm_jax.ops.segments import chunk_reset_counter
 
 # Mosaic lowers DEFAULT (one bf16 MXU pass) and HIGHEST (full fp32); "high" (3 bf16 passes in
-# XLA) runs as HIGHEST here: never less precise than asked.
+# XLA) and "tf32x3" (no TF32 on TPU) run as HIGHEST here: never less precise than asked.
+# Keyed by the contract's names (`lwm_jax.ops.wkv7.contract.PRECISIONS`).
 _PRECISIONS = {"highest": jax.lax.Precision.HIGHEST, "high": jax.lax.Precision.HIGHEST,
-               "default": jax.lax.Precision.DEFAULT}
+               "tf32x3": jax.lax.Precision.HIGHEST, "default": jax.lax.Precision.DEFAULT}
 
 
 class _Config(NamedTuple):
@@ -70,9 +72,10 @@ def _round_up(n: int, m: int) -> int:
 def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype, precision):
     check_wkv7_inputs(r, w, k, v, a, b, initial_state, segment_ids)
     if (not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 16
-            or chunk_size % 16):
-        raise ValueError(f"chunk_size must be a positive multiple of 16 (TPU bf16 sublane tile), "
-                         f"got {chunk_size!r}")
+            or chunk_size % 16 or chunk_size > TPU_MAX_CHUNK):
+        raise ValueError(f"chunk_size must be a multiple of 16 (TPU bf16 sublane tile) in "
+                         f"[16, {TPU_MAX_CHUNK}] (longer chunks can overflow float32 exponents at "
+                         f"RWKV-7's strongest decay), got {chunk_size!r}")
     if output_dtype is not None and jnp.dtype(output_dtype) not in _FLOATS:
         raise TypeError(f"output_dtype must be float32, bfloat16 or float16, got {output_dtype}")
     if precision not in _PRECISIONS:
@@ -86,13 +89,8 @@ def _segment_counters(segment_ids, T_pad, C):
     Entry t counts the resets (id differs from the previous position's) from the chunk's first
     position up to t; padding positions repeat the last id, so they never reset.
     """
-    B, T = segment_ids.shape
-    ids = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (0, T_pad - T)), mode="edge")
-    resets = jnp.concatenate([jnp.zeros((B, 1), jnp.int32),
-                              (ids[:, 1:] != ids[:, :-1]).astype(jnp.int32)], axis=1)
-    count_BNC = jnp.cumsum(resets, axis=1).reshape(B, T_pad // C, C)
-    before_BN = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), count_BNC[:, :-1, -1]], axis=1)
-    local_BNC = count_BNC - before_BN[:, :, None]
+    B = segment_ids.shape[0]
+    local_BNC = chunk_reset_counter(segment_ids, T_pad, C).reshape(B, T_pad // C, C)
     return local_BNC.reshape(B, T_pad, 1), local_BNC[:, :, None, :]
 
 

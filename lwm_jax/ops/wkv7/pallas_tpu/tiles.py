@@ -34,29 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.ops.wkv7 import tril_inverse
+from lwm_jax.ops.wkv7.tile_dots import mm, mm_nt, mm_tn
 
 _F32 = jnp.float32
 _HIGHEST = jax.lax.Precision.HIGHEST  # the in-chunk cumulative sums of w are always full fp32
-
-
-def _dot(x, y, contract, precision):
-    return jax.lax.dot_general(x, y, (contract, ((), ())), precision=precision,
-                               preferred_element_type=_F32)
-
-
-def mm(x, y, precision):
-    """`x @ y` (f32 accumulation)."""
-    return _dot(x, y, ((1,), (0,)), precision)
-
-
-def mm_nt(x, y, precision):
-    """`x @ y^T` (f32 accumulation)."""
-    return _dot(x, y, ((1,), (1,)), precision)
-
-
-def mm_tn(x, y, precision):
-    """`x^T @ y` (f32 accumulation)."""
-    return _dot(x, y, ((0,), (0,)), precision)
 
 
 def _iota_CC(C):

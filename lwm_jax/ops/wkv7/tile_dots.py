@@ -1,0 +1,31 @@
+"""2-D tile products with float32 accumulation, shared by the GPU and TPU kernels' tile math.
+
+`precision` is anything `jax.lax.dot_general` takes (a `jax.lax.Precision` or a
+`DotAlgorithmPreset`). A leaf: imports nothing of `lwm_jax`.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_F32 = jnp.float32
+
+
+def _dot(x, y, contract, precision):
+    return jax.lax.dot_general(x, y, (contract, ((), ())), precision=precision,
+                               preferred_element_type=_F32)
+
+
+def mm(x, y, precision):
+    """`x [m, k] @ y [k, n] -> [m, n]` float32."""
+    return _dot(x, y, ((1,), (0,)), precision)
+
+
+def mm_tn(x, y, precision):
+    """`x^T @ y` for x `[k, m]`, y `[k, n]` -> `[m, n]` float32."""
+    return _dot(x, y, ((0,), (0,)), precision)
+
+
+def mm_nt(x, y, precision):
+    """`x @ y^T` for x `[m, k]`, y `[n, k]` -> `[m, n]` float32."""
+    return _dot(x, y, ((1,), (1,)), precision)
