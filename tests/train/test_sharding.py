@@ -118,3 +118,58 @@ def test_2x2_meshes_match_one_device(tmp_path):
     assert specs["['blocks']['att']['output']"] == str(P(None, "tensor", "fsdp"))
     assert specs["mu['emb']"] == str(P("tensor", "fsdp"))
     assert specs["['blocks']['att']['w1']"] == str(P(None, "fsdp", None))
+
+
+RESHARD_DRIVER = textwrap.dedent("""
+    import json, shutil, sys
+    import jax
+    from lwm_jax.train.config import load_config
+    from lwm_jax.train.metrics import read_metrics
+    from lwm_jax.train.trainer import train
+
+    out_dir, data, phase = sys.argv[1:]
+
+    def run(name, mesh, stop_after=None):
+        sizes = dict(zip(("data", "fsdp", "tensor", "sequence"), map(int, mesh.split(","))))
+        cfg = load_config(None, [
+            "model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", "train.batch_size=8",
+            "train.steps=4", "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1",
+            "train.eval_every=0", "checkpoint.async=false", f"data.path={data}",
+            f"run_dir={out_dir}/{name}", *[f"mesh.{k}={v}" for k, v in sizes.items()]])
+        train(cfg, progress=False, stop_after=stop_after)
+        return {r["step"]: r["loss"] for r in read_metrics(f"{out_dir}/{name}/metrics.jsonl")[0]}
+
+    if phase == "save":             # 8 devices: 2 steps on (2,4,1,1), then resume on (1,1,1,8)
+        assert jax.device_count() == 8
+        run("saved", "2,4,1,1", stop_after=2)
+        shutil.copytree(f"{out_dir}/saved", f"{out_dir}/one")
+        losses = run("saved", "1,1,1,8")
+    else:                           # 1 device: the (2,4,1,1) checkpoint resumed; a plain run
+        assert jax.device_count() == 1
+        losses = {"resumed": run("one", "1,1,1,1"), "plain": run("plain", "1,1,1,1")}
+    json.dump(losses, open(f"{out_dir}/{phase}.json", "w"))
+""")
+
+
+@pytest.mark.slow
+def test_a_checkpoint_saved_on_one_mesh_resumes_on_another_and_on_one_device(tmp_path):
+    """Saved sharded on (data 2, fsdp 4), restored onto (sequence 8) and onto one device: both
+    continue with the losses of an uninterrupted single-device run."""
+    data = str(tmp_path / "pattern")
+    write_binidx(data, [(np.arange(600) * (d + 1)) % 61 + 1 for d in range(10)], np.uint16,
+                 append_eod=True)
+    for phase, n in (("save", 8), ("resume", 1)):
+        flags = f"--xla_force_host_platform_device_count={n}" if n > 1 else ""
+        proc = subprocess.run([sys.executable, "-c", RESHARD_DRIVER, str(tmp_path), data, phase],
+                              env={**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"},
+                              capture_output=True, text=True, timeout=400)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    on_8 = {int(k): v for k, v in json.load(open(tmp_path / "save.json")).items()}
+    later = json.load(open(tmp_path / "resume.json"))
+    plain = {int(k): v for k, v in later["plain"].items()}
+    on_1 = {int(k): v for k, v in later["resumed"].items()}
+    assert sorted(plain) == [1, 2, 3, 4] and plain[4] < plain[1]
+    for run in (on_8, on_1):        # steps 1-2 from the (2,4,1,1) run, 3-4 after the restore
+        assert sorted(run) == [1, 2, 3, 4], run
+        np.testing.assert_allclose([run[s] for s in (1, 2, 3, 4)],
+                                   [plain[s] for s in (1, 2, 3, 4)], rtol=2e-5)
