@@ -54,12 +54,12 @@ DRIVER = textwrap.dedent("""
     from lwm_jax.train.metrics import read_metrics
     from lwm_jax.train.trainer import train
 
-    out_dir, data, *meshes = sys.argv[1:]
-    assert jax.device_count() == (4 if meshes[0] != "1" else 1), jax.devices()
+    out_dir, data, batch, *meshes = sys.argv[1:]
+    assert jax.device_count() == 1 if meshes == ["1"] else jax.device_count() > 1
     for mesh in meshes:
         sizes = dict(zip(("data", "fsdp", "tensor", "sequence"), map(int, mesh.split(","))))
         cfg = load_config(None, [
-            "model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", "train.batch_size=4",
+            "model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", f"train.batch_size={batch}",
             "train.steps=3", "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1",
             "train.eval_every=0", "checkpoint.async=false", f"data.path={data}",
             f"run_dir={out_dir}/{mesh}", *[f"mesh.{k}={v}" for k, v in sizes.items()]])
@@ -76,11 +76,11 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _run_driver(tmp_path, data, meshes, n_devices):
+def _run_driver(tmp_path, data, meshes, n_devices, batch=4):
     flags = f"--xla_force_host_platform_device_count={n_devices}" if n_devices > 1 else ""
     env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), data, *meshes],
-                          env=env, capture_output=True, text=True, timeout=280)
+    proc = subprocess.run([sys.executable, "-c", DRIVER, str(tmp_path), data, str(batch),
+                           *meshes], env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
@@ -118,6 +118,25 @@ def test_2x2_meshes_match_one_device(tmp_path):
     assert specs["['blocks']['att']['output']"] == str(P(None, "tensor", "fsdp"))
     assert specs["mu['emb']"] == str(P("tensor", "fsdp"))
     assert specs["['blocks']['att']['w1']"] == str(P(None, "fsdp", None))
+
+
+@pytest.mark.slow
+def test_8_device_meshes_match_one_device(tmp_path):
+    """Pure data, data x tensor x sequence, fsdp x sequence and pure sequence meshes over 8
+    devices: the same losses, validation loss and parameters as one device (batch 8)."""
+    data = str(tmp_path / "pattern")
+    write_binidx(data, [(np.arange(600) * (d + 1)) % 61 + 1 for d in range(10)], np.uint16,
+                 append_eod=True)
+    meshes = ["8,1,1,1", "2,1,2,2", "1,2,1,4", "1,1,1,8"]
+    _run_driver(tmp_path, data, ["1"], 1, batch=8)
+    _run_driver(tmp_path, data, meshes, 8, batch=8)
+    ref, ref_params = _load(tmp_path, "1")
+    for mesh in meshes:
+        meta, params = _load(tmp_path, mesh)
+        np.testing.assert_allclose(meta["losses"], ref["losses"], rtol=2e-5, err_msg=mesh)
+        assert abs(meta["val"] - ref["val"]) <= 2e-5 * ref["val"], mesh
+        for k in params:
+            assert _rel(params[k], ref_params[k]) < 1e-4, (mesh, k, _rel(params[k], ref_params[k]))
 
 
 RESHARD_DRIVER = textwrap.dedent("""
