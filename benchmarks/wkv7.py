@@ -250,7 +250,8 @@ def cmd_precision(args):
         grads = vjp((do_small, jnp.zeros((1, 4, 64, 64))))[0]
         errs = {f"d{n}": float(f"{rel_err(g, ref_g[n]):.3e}") for n, g in zip(NAMES, grads)}
         emit(case="precision", precision=name, C=args.chunk, compile_s=round(compile_s, 1),
-             fwdbwd_ms=round(ms, 3), shape=[B, T, H, D], rel_err_o=float(f"{rel_err(o, ref_o):.3e}"),
+             fwdbwd_ms=round(ms, 3), shape=[B, T, H, D],
+             rel_err_o=float(f"{rel_err(o, ref_o):.3e}"),
              **errs)
 
 

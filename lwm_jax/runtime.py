@@ -9,10 +9,8 @@ carries it as its `runtime:` section. Imports nothing heavy (no jax).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
-RUNTIME_FIELDS = ("wkv_impl", "chunk_size", "remat", "scan_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,16 +44,5 @@ class Runtime:
             if not isinstance(getattr(self, f), bool):
                 bad(f, f"must be true or false, got {getattr(self, f)!r}")
 
-    @classmethod
-    def from_dict(cls, d: dict[str, Any], where: str = "runtime") -> "Runtime":
-        """Build from a plain dict (YAML `runtime:` section); unknown keys are a one-line error."""
-        if not isinstance(d, dict):
-            raise ValueError(f"{where}: expected a mapping, got {type(d).__name__}")
-        unknown = sorted(set(d) - set(RUNTIME_FIELDS))
-        if unknown:
-            raise ValueError(f"{where}.{unknown[0]}: unknown key; valid keys: "
-                             f"{', '.join(RUNTIME_FIELDS)}")
-        return cls(**d)
 
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))

@@ -12,10 +12,10 @@ when `checkpoint.async` is true (the step loop continues while a background thre
 `wait()` blocks until the last save is durable.
 
 A save that fails for lack of space (at once, or later in the background thread, which then
-surfaces in the next `save`/`wait`) raises `CheckpointWriteError`: one line naming the directory
-and the newest complete checkpoint, the one a rerun resumes from. Orbax's unfinished `<step>.orbax-checkpoint-tmp` directory stays
-behind and is removed by the next save of that step, so freeing space and running the same
-command again resumes.
+surfaces in the next `save`/`wait`) raises `CheckpointWriteError`: one line naming the
+directory and the newest complete checkpoint, the one a rerun resumes from. Orbax's unfinished
+`<step>.orbax-checkpoint-tmp` directory stays behind and is removed by the next save of that
+step, so freeing space and running the same command again resumes.
 """
 from __future__ import annotations
 

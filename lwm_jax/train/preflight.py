@@ -81,16 +81,7 @@ def compile_step(cfg: RunConfig, train_step, state, tokens, *,
     """Compile `train_step` for these (sharded) arguments, check that it fits, and return the
     compiled executable (call it as `train_step`). `memory`: `(bytes, what)` to check against
     (default: `device_memory()`)."""
-    try:
-        compiled = train_step.lower(state, tokens).compile()
-    except Exception as err:          # XLA may refuse at compile time on some backends
-        if "RESOURCE_EXHAUSTED" not in str(err):
-            raise
-        t = cfg.train
-        raise ValueError(f"train.batch_size={t.batch_size}, train.ctx_len={t.ctx_len}: XLA "
-                         "could not fit the train step in device memory while compiling; lower "
-                         "train.batch_size (raise train.grad_accum), lower train.ctx_len or set "
-                         "runtime.remat=true") from None
+    compiled = train_step.lower(state, tokens).compile()
     have, what = memory if memory is not None else device_memory()
     check_step_fits(cfg, step_bytes(compiled), have, what)
     return compiled

@@ -13,6 +13,13 @@ INPUT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.f
 # each backend maps them in its own module (chunked: XLA names; pallas_gpu / pallas_tpu: their
 # dot precisions); "tf32x3" runs as "highest" where there is no 3xTF32.
 PRECISIONS = ("default", "high", "highest", "tf32x3")
+
+
+def xla_precision(name: str | None) -> str:
+    """The XLA precision name an XLA (non-kernel) path runs a WKV precision name at: None and
+    "tf32x3" (no 3xTF32 there) run as "highest"."""
+    return "highest" if name in (None, "tf32x3") else name
+
 # RWKV-7's decay bound: w = -exp(-0.5) * sigmoid(.) > W_MIN, so -(sum of w over C steps) < C * 0.61.
 # Exponent-range strategies (each path's longest chunk is set so that its largest exponent stays
 # below ~40 at this bound, half of float32's e^88 overflow; `tests/ops/wkv7/test_wkv7_limits.py`

@@ -10,7 +10,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.ops.wkv7.contract import PRECISIONS, check_wkv7_inputs, resolve_output_dtype
+from lwm_jax.ops.wkv7.contract import (PRECISIONS, check_wkv7_inputs, resolve_output_dtype,
+                                       xla_precision)
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.recurrent import wkv7_recurrent
 
@@ -34,8 +35,9 @@ def _resolve_impl(impl: str) -> str:
         use_pallas = jax.default_backend() in _ACCELERATORS and _load_pallas()[0] is not None
         return "pallas" if use_pallas else "chunked"
     if impl == "pallas" and _load_pallas()[0] is None:
-        raise RuntimeError("wkv7: impl='pallas' needs lwm_jax.ops.wkv7.pallas.wkv7_pallas, which did "
-                           f"not import ({_load_pallas()[1]}); use impl='chunked' or 'recurrent'")
+        raise RuntimeError("wkv7: impl='pallas' needs lwm_jax.ops.wkv7.pallas.wkv7_pallas, which "
+                           f"did not import ({_load_pallas()[1]}); use impl='chunked' or "
+                           "'recurrent'")
     return impl
 
 
@@ -55,11 +57,6 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
     dtype = check_wkv7_inputs(r, w, k, v, a, b, initial_state, segment_ids)
 
     return resolve_output_dtype(output_dtype, dtype, "wkv7")
-
-
-def _xla_precision(precision):
-    """The XLA precision name the chunked form runs a WKV precision name at."""
-    return "highest" if precision in (None, "tf32x3") else precision
 
 
 def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,
@@ -103,7 +100,7 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
     elif chosen == "chunked":
         o, state = wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids,
                                 chunk_size or CHUNKED_DEFAULT_CHUNK, out_dtype,
-                                _xla_precision(precision))
+                                xla_precision(precision))
     else:
         wkv7_pallas = _load_pallas()[0]
         o, state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,

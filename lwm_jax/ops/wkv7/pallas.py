@@ -8,7 +8,8 @@ FLA layout: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, w = log-decay (<= 0)
 `o_t = S_t^T r_t`. `initial_state` / `segment_ids` may be None.
 
 Dispatch on `jax.default_backend()`:
-  gpu -> Pallas-Triton kernels (`pallas_gpu/`: `op.py`, `launches.py`, `tiles.py`, `tiles_bwd_stacked.py`);
+  gpu -> Pallas-Triton kernels (`pallas_gpu/`: `op.py`, `launches.py`, `tiles.py`,
+         `tiles_bwd_stacked.py`);
   tpu -> `lwm_jax.ops.wkv7.pallas_tpu.op.wkv7_tpu` (Pallas/Mosaic TPU);
   cpu -> the GPU kernels in the Pallas interpreter (tests; slow).
 

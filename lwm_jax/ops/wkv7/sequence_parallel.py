@@ -38,8 +38,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from lwm_jax.ops.wkv7.contract import check_wkv7_inputs, resolve_output_dtype
-from lwm_jax.ops.wkv7.contract import PRECISIONS
-from lwm_jax.ops.wkv7.dispatch import IMPLS, _resolve_impl, _xla_precision, wkv7
+from lwm_jax.ops.wkv7.contract import PRECISIONS, xla_precision
+from lwm_jax.ops.wkv7.dispatch import IMPLS, _resolve_impl, wkv7
 
 DEFAULT_BATCH_AXES = ("data", "fsdp")
 
@@ -195,7 +195,7 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
     if fuse is None:
         fuse = _resolve_impl(impl) != "pallas"
-    mm_precision = jax.lax.Precision(_xla_precision(precision))
+    mm_precision = jax.lax.Precision(xla_precision(precision))
     op_kwargs = dict(impl=impl, chunk_size=chunk_size, precision=precision,
                      output_dtype=jnp.float32, return_state=True)
     if segment_ids is not None:
