@@ -90,7 +90,8 @@ def main():
     p.add_argument("--models", nargs="+", default=["0.1b", "1.5b"], choices=sorted(MODELS))
     p.add_argument("--policy", default="bf16")
     p.add_argument("--prefill", type=int, nargs=2, default=[1, 4096], metavar=("B", "T"))
-    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 64],
+                   help="decode batch sizes (none: prefill only)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--decode-block", type=int, nargs="+", default=[16],
                    help="decode steps per compiled call; several values are each measured")

@@ -55,7 +55,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", nargs="+", default=["0.1b", "1.5b"], choices=sorted(MODELS))
     p.add_argument("--prefill", type=int, nargs=2, default=[1, 4096], metavar=("B", "T"))
-    p.add_argument("--decode-batches", type=int, nargs="+", default=[1, 64])
+    p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 64],
+                   help="decode batch sizes (none: prefill only)")
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--reps", type=int, default=3)
     args = p.parse_args()

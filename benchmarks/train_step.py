@@ -1,0 +1,177 @@
+"""Training throughput: the full train step exactly as `lwm-jax train` builds it.
+
+Each case builds `lwm_jax.train.trainer.build_program` from a config file (with dotted
+overrides, as on the `lwm-jax train` command line), initialises the state on the device, and
+times `--steps` steps on random tokens after `--warmup` steps (the first one compiles):
+forward + backward + global-norm clip + AdamW + the non-finite guard, state donated, one
+`block_until_ready` per step on its metrics. Every case runs in its own Python process, so
+each peak memory is that case's alone and one case running out of memory does not end the
+others.
+
+Reported per case (one JSON line each, then a table): median step time, tokens/s, MFU
+(6 x parameters x tokens/s over the dense bf16 peak, 989 TFLOP/s for H100 and H200, the
+formula of the FLA peer `benchmarks/peers/fla_train.py`; the same denominator for every
+precision), peak device memory (`peak_bytes_in_use` of the JAX allocator, the peer reports
+torch's `max_memory_allocated`), the step's compile time, and the loss of the last step
+(finite, or the case says so).
+
+    python benchmarks/train_step.py                                  # 0.1B 8x4096, 1.5B 2x4096, bf16-mixed
+    python benchmarks/train_step.py --precisions bf16-mixed fp32-fast fp32
+    python benchmarks/train_step.py --models 0.1b --set runtime.remat=true train.loss_chunk=8192
+    python benchmarks/train_step.py --models 0.1b --profile $OUT/prof   # + top ops by GPU time
+    python benchmarks/train_step.py --models tiny --steps 2            # CPU smoke run
+
+`fp32` cases run with `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0`
+unless `--fp32-autotune` is given: with XLA's default GEMM autotuning the first fp32 step
+compiles for ~8 minutes on an H200 (see benchmarks/RESULTS.md, "Training trust").
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODELS = {   # name: (config file, batch, ctx) — the throughput issue's shapes
+    "0.1b": ("configs/rwkv7-0.1b.yaml", 8, 4096),
+    "1.5b": ("configs/rwkv7-1.5b.yaml", 2, 4096),
+    "tiny": ("configs/tiny.yaml", 2, 128),
+}
+PEAK_TFLOPS = 989.0
+FP32_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
+
+
+def run_case(model: str, precision: str, overrides: list[str], steps: int, warmup: int,
+             profile: str | None) -> dict:
+    """Build and time one case in this process; returns its JSON row."""
+    import jax
+    import numpy as np
+
+    from lwm_jax.train.config import load_config
+    from lwm_jax.train.params import count_params
+    from lwm_jax.train.preflight import step_bytes
+    from lwm_jax.train.sharding import tokens_sharding
+    from lwm_jax.train.trainer import build_program
+
+    path, batch, ctx = MODELS[model]
+    cfg = load_config(os.path.join(REPO, path),
+                      [f"precision={precision}", f"train.batch_size={batch}",
+                       f"train.ctx_len={ctx}", "train.grad_accum=1", "mesh.data=-1",
+                       "mesh.fsdp=1", "data.path=null", "data.val_path=null", *overrides])
+    t = cfg.train
+    prog = build_program(cfg)
+    state = prog.init_state()
+    rng = np.random.default_rng(0)
+    tokens_sh = tokens_sharding(prog.mesh)
+
+    def batch_at() -> jax.Array:
+        host = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.ctx_len + 1), np.int32)
+        return jax.device_put(host, tokens_sh)
+
+    t0 = time.perf_counter()
+    compiled = prog.train_step.lower(state, batch_at()).compile()
+    compile_s = time.perf_counter() - t0
+    analysis = step_bytes(compiled)
+    batches = [batch_at() for _ in range(4)]
+    for i in range(warmup):
+        state, metrics = compiled(state, batches[i % 4])
+        jax.block_until_ready(metrics)
+    times = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        state, metrics = compiled(state, batches[i % 4])
+        jax.block_until_ready(metrics)
+        times.append(time.perf_counter() - t0)
+    if profile:
+        from profile_summary import top_ops
+        os.makedirs(profile, exist_ok=True)
+        with jax.profiler.trace(profile, create_perfetto_trace=True):
+            for i in range(3):
+                state, metrics = compiled(state, batches[i % 4])
+                jax.block_until_ready(metrics)
+    step_s = float(np.median(times))
+    tokens = t.batch_size * t.ctx_len
+    n_params = count_params(prog.abstract_state.params)
+    dev = jax.local_devices()[0]
+    stats = dev.memory_stats() or {}
+    row = {"model": model, "precision": precision, "overrides": overrides,
+           "batch": t.batch_size, "ctx": t.ctx_len, "params": n_params,
+           "device": dev.device_kind, "jax": jax.__version__,
+           "step_ms": round(step_s * 1e3, 2),
+           "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
+           "ktok_s": round(tokens / step_s / 1e3, 2),
+           "mfu_pct": round(6 * n_params * tokens / step_s / (PEAK_TFLOPS * 1e12) * 100, 2),
+           "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
+           "xla_analysis_gib": round(analysis["peak"] / 2**30, 2) if analysis else None,
+           "compile_s": round(compile_s, 1),
+           "last_loss": float(metrics["loss"]), "finite": float(metrics["finite"]),
+           "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    if profile:
+        row["top_ops"] = top_ops(profile, n=15)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", nargs="+", default=["0.1b", "1.5b"], choices=sorted(MODELS))
+    ap.add_argument("--precisions", nargs="+", default=["bf16-mixed"])
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="dotted config overrides applied to every case")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--profile", default=None,
+                    help="directory: trace 3 more steps per case and list the top GPU ops")
+    ap.add_argument("--fp32-autotune", action="store_true",
+                    help="keep XLA's default GEMM autotuning for fp32 cases")
+    ap.add_argument("--out", default=None, help="also append the JSON rows to this file")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "PRECISION"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+
+    if args.one:
+        prof = args.profile
+        row = run_case(args.one[0], args.one[1], args.set, args.steps, args.warmup, prof)
+        print("ROW " + json.dumps(row), flush=True)
+        return
+
+    rows = []
+    for model in args.models:
+        for precision in args.precisions:
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+            if precision == "fp32" and not args.fp32_autotune:
+                env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FP32_XLA_FLAGS).strip()
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", model, precision,
+                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+            if args.set:
+                cmd += ["--set", *args.set]
+            if args.profile:
+                cmd += ["--profile", os.path.join(args.profile, f"{model}-{precision}")]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("ROW ")]
+            if proc.returncode != 0 or not lines:
+                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                row = {"model": model, "precision": precision, "overrides": args.set,
+                       "error": " | ".join(tail)[-400:]}
+            else:
+                row = json.loads(lines[-1][4:])
+            print(json.dumps(row), flush=True)
+            if args.out:
+                with open(args.out, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(row) + "\n")
+            rows.append(row)
+
+    print("\n| model | precision | batch x ctx | step ms | ktok/s | MFU % | peak GiB | compile s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        if "error" in r:
+            print(f"| {r['model']} | {r['precision']} | | failed: {r['error'][:80]} | | | | |")
+            continue
+        print(f"| {r['model']} | {r['precision']} | {r['batch']}x{r['ctx']} | {r['step_ms']} | "
+              f"{r['ktok_s']} | {r['mfu_pct']} | {r['peak_gib']} | {r['compile_s']} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Throughput measurements on the device, each a call of < 10 min (results in $OUT).
+#
+#   bash tools/device_throughput.sh prefill       # prefill [1, 4096]: ours then FLA, logits on both sides
+#   bash tools/device_throughput.sh profile [..]  # ours, 0.1B + 1.5B bf16-mixed, top GPU ops (extra args: train_step.py's)
+#   bash tools/device_throughput.sh train [..]    # FLA amp first (autotune), then ours bf16-mixed, same call
+#   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
+#
+# Needs the fla-core, flash-linear-attention and einops wheels in .peer/ (carried).
+set -uo pipefail
+OUT=${OUT:-/tmp/lwm-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+peer() {
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl 2>&1 | tail -2
+}
+mode=${1:-}; shift || true
+case "$mode" in
+  prefill)
+    peer
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+    timeout 240 python3 benchmarks/generate.py --reps 5 --decode-batches 2>&1 | tee "$OUT/prefill_ours.log" | grep -v "^{"
+    PYTHONPATH=/tmp/site timeout 300 python3 benchmarks/peers/fla_generate.py --reps 5 \
+      --decode-batches 2>&1 | tee "$OUT/prefill_fla.log" | tail -4 ;;
+  profile)
+    python3 benchmarks/train_step.py --profile /tmp/prof --out "$OUT/ours_profile.jsonl" "$@" ;;
+  train)
+    peer
+    PYTHONPATH=/tmp/site timeout 330 python3 benchmarks/peers/fla_train.py --modes amp 2>&1 \
+      | tee "$OUT/fla_train.log" | grep -v Warning | tail -4
+    python3 benchmarks/train_step.py --out "$OUT/ours_train.jsonl" "$@" ;;
+  precisions)
+    python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
+  *) echo "usage: $0 prefill|profile|train|precisions [train_step.py args]" >&2; exit 2 ;;
+esac
