@@ -38,7 +38,10 @@ own them; the policy never reaches inside those.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
+
+import numpy as np
 
 import jax
 import jax.numpy as jnp
@@ -111,12 +114,18 @@ class Policy:
         """`jnp.einsum` with operands in `compute_dtype` and this policy's explicit precision.
 
         Accumulation is fp32 on every backend (`preferred_element_type=float32`); the result is
-        returned in `out_dtype` (default: `compute_dtype`).
+        returned in `out_dtype` (default: `compute_dtype`). With a 16-bit compute dtype the
+        backward products run in it too (see `_low_precision_einsum`), not in float32.
         """
+        out_dtype = self.compute_dtype if out_dtype is None else out_dtype
+        if len(operands) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
+            y = _low_precision_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
+                                      *operands)
+            return y.astype(out_dtype)
         ops = [x.astype(self.compute_dtype) for x in operands]
         y = jnp.einsum(spec, *ops, precision=self.lax_precision,
                        preferred_element_type=jnp.float32)
-        return y.astype(self.compute_dtype if out_dtype is None else out_dtype)
+        return y.astype(out_dtype)
 
     def einsum_f32(self, spec: str, *operands):
         """fp32 einsum for the fp32 islands (logits, decay): operands upcast, result float32.
@@ -129,6 +138,53 @@ class Policy:
         ops = [x.astype(jnp.float32) for x in operands]
         return jnp.einsum(spec, *ops, precision=self.lax_precision,
                           preferred_element_type=jnp.float32)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _low_precision_einsum(spec: str, compute_dtype, precision, x, y):
+    """`einsum(spec, x, y)` on operands cast to the 16-bit `compute_dtype`, accumulated and
+    returned in float32, whose backward products also take 16-bit operands.
+
+    Plain autodiff of that forward would not: the output's cotangent is float32, and XLA runs a
+    float32 x bf16 product as a float32 (TF32 on GPU) matmul at about half the tensor-core rate
+    of bf16 -- every backward GEMM of a `bf16-mixed` step did so before this existed. Here the
+    cotangent is rounded to `compute_dtype` (as torch autocast's backward does), each gradient
+    is accumulated in float32 and returned in its operand's own dtype: float32 parameters get a
+    float32 gradient from a bf16 x bf16 product. Two operands, explicit `->`, no ellipsis.
+    """
+    return jnp.einsum(spec, x.astype(compute_dtype), y.astype(compute_dtype),
+                      precision=precision, preferred_element_type=jnp.float32)
+
+
+def _einsum_terms(spec: str) -> tuple[str, str, str]:
+    lhs, arrow, out = spec.replace(" ", "").partition("->")
+    xs, comma, ys = lhs.partition(",")
+    if not arrow or not comma or "." in spec or any(
+            c not in out + ys for c in xs) or any(c not in out + xs for c in ys):
+        raise ValueError(f"Policy.einsum: spec {spec!r} needs two operands, an explicit '->', no "
+                         "ellipsis, and every operand index in the output or the other operand")
+    return xs, ys, out
+
+
+def _low_precision_einsum_fwd(spec, compute_dtype, precision, x, y):
+    _einsum_terms(spec)
+    x_c, y_c = x.astype(compute_dtype), y.astype(compute_dtype)
+    out = jnp.einsum(spec, x_c, y_c, precision=precision, preferred_element_type=jnp.float32)
+    return out, (x_c, y_c, np.zeros((0,), x.dtype), np.zeros((0,), y.dtype))
+
+
+def _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct):
+    x_c, y_c, x_proto, y_proto = res
+    xs, ys, out = _einsum_terms(spec)
+    ct_c = ct.astype(compute_dtype)
+    dx = jnp.einsum(f"{out},{ys}->{xs}", ct_c, y_c, precision=precision,
+                    preferred_element_type=jnp.float32)
+    dy = jnp.einsum(f"{xs},{out}->{ys}", x_c, ct_c, precision=precision,
+                    preferred_element_type=jnp.float32)
+    return dx.astype(x_proto.dtype), dy.astype(y_proto.dtype)
+
+
+_low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
 
 
 def _cast_floats(tree, dtype):

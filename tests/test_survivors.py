@@ -234,6 +234,37 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     assert counts["forward+backward"] >= 3 * counts["forward"]
 
 
+@pytest.mark.parametrize("spec", ["bf16-mixed", "fp16-mixed"])
+def test_backward_matmuls_run_in_the_compute_dtype(spec):
+    """Under a 16-bit compute dtype the backward of every `Policy.einsum` multiplies 16-bit
+    operands too. Plain autodiff of a bf16 x bf16 -> float32 product hands the transposes a
+    float32 cotangent, and XLA runs float32 x bf16 as a float32 (TF32) matmul at half the
+    tensor-core rate: the profile of the 0.1B bf16-mixed step on an H200 showed every backward
+    GEMM as `sm90_xmma_gemm_f32f32_tf32f32`. No policy matmul may mix operand dtypes, and the
+    16-bit ones must be as many as forward + two transposes each."""
+    policy = parse_policy(spec)
+    low = jnp.dtype(policy.compute_dtype)
+    rt = dataclasses.replace(RT, wkv_impl="chunked")
+    graphdef, params = nnx.split(RWKV7(CFG, policy, runtime=rt, rngs=nnx.Rngs(0)))
+    tok = _tokens(1, 9)
+
+    def loss(p):
+        return lm_loss(nnx.merge(graphdef, p)(tok[:, :-1]), tok[:, 1:], use_l2wrap=True)
+
+    counts = {}
+    for what, fn in (("forward", loss), ("forward+backward", jax.value_and_grad(loss))):
+        dots = [e for e, _ in _dot_generals(jax.make_jaxpr(fn)(params).jaxpr, [])
+                if _origin(e) == "policy"]
+        dtypes = [tuple(jnp.dtype(v.aval.dtype) for v in e.invars) for e in dots]
+        mixed = [d for d in dtypes if d[0] != d[1]]
+        assert not mixed, f"{spec} {what}: policy matmuls with mixed operand dtypes {mixed[:3]}"
+        counts[what] = sum(d == (low, low) for d in dtypes)
+    # r, k, v, o, ffn key/value (12), the a and g LoRA pairs (8), layer 1's v pair (2); the
+    # decay LoRA and the head are fp32 islands
+    assert counts["forward"] >= 22
+    assert counts["forward+backward"] >= 3 * counts["forward"]
+
+
 # ---- 5. the trainer's train.l2wrap switch ---------------------------------------------------
 
 _L2WRAP_OVERRIDES = ["model.vocab_size=32", "model.n_layer=1", "model.n_embd=32",
