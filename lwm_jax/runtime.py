@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
+REMAT_POLICIES = ("full", "save_dots")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +23,11 @@ class Runtime:
       chunk_size: chunk length for the chunked and Pallas WKV7; 0 = the implementation's
         default (Pallas: 32 on GPU, 64 on TPU; chunked XLA: 64).
       remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
+      remat_policy: what a remat'd block keeps from its forward (only read when `remat`):
+        "full" keeps nothing but the block's inputs and recomputes the whole block in the
+        backward (least memory); "save_dots" keeps the outputs of the block's matmuls and of
+        the WKV op with the WKV kernels' saved-for-backward arrays, and recomputes only the
+        elementwise work between them (no matmul or WKV kernel runs twice; more memory).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
         Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
     """
@@ -29,6 +35,7 @@ class Runtime:
     wkv_impl: str = "auto"
     chunk_size: int = 0
     remat: bool = False
+    remat_policy: str = "full"
     scan_layers: bool = False
 
     def __post_init__(self):
@@ -40,6 +47,8 @@ class Runtime:
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             bad("chunk_size", f"must be an integer >= 0 (0 = the implementation's default), "
                               f"got {c!r}")
+        if self.remat_policy not in REMAT_POLICIES:
+            bad("remat_policy", f"{self.remat_policy!r} is not one of {REMAT_POLICIES}")
         for f in ("remat", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, f"must be true or false, got {getattr(self, f)!r}")

@@ -67,6 +67,8 @@ def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | No
              "per step)", "lower train.ctx_len"]
     if not cfg.runtime.remat:
         fixes.append("set runtime.remat=true")
+    elif cfg.runtime.remat_policy != "full":
+        fixes.append("set runtime.remat_policy=full")
     if t.loss_chunk == 0 or t.loss_chunk > 1024:
         fixes.append("set train.loss_chunk=1024")
     raise ValueError(

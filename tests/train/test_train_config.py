@@ -99,7 +99,9 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
     (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, remat, "
-                            "scan_layers, wkv_impl"),
+                            "remat_policy, scan_layers, wkv_impl"),
+    (["runtime.remat_policy=dots"], "runtime.remat_policy: 'dots' is not one of ('full', "
+                                    "'save_dots')"),
     (["model.remat=true", "runtime.remat=false"],
      "model.remat: is a runtime key, also set as runtime.remat; keep only runtime.remat"),
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),

@@ -51,6 +51,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.ops.wkv7.contract import OUTPUT_NAME, RESIDUALS_NAME
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
@@ -205,7 +206,7 @@ class RWKV7(nnx.Module):
 
             def step(p, x, v_first, st, seg, layer_probe=None):
                 return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
-            return jax.checkpoint(step) if rt.remat else step
+            return jax.checkpoint(step, policy=remat_policy(rt)) if rt.remat else step
 
         first_step, rest_step = make(True), make(False)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
@@ -255,6 +256,15 @@ def head_fn(policy: Policy):
         xo = layer_norm(x_BTC, weight, bias, out_dtype=jnp.float32)
         return policy.einsum_f32("btc,cv->btv", xo, head_CV)
     return f
+
+
+def remat_policy(runtime: Runtime):
+    """The `jax.checkpoint` policy of `runtime.remat_policy` (None = save nothing)."""
+    if runtime.remat_policy == "full":
+        return None
+    cp = jax.checkpoint_policies
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                      cp.save_only_these_names(RESIDUALS_NAME, OUTPUT_NAME))
 
 
 def probe_model_fn(cfg: ModelConfig, policy, runtime: Runtime | None = None):

@@ -21,11 +21,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.norms import GroupNorm, group_norm
 from lwm_jax.layers.shift import token_shift
 from lwm_jax.ops import wkv7
+from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
 
 MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
@@ -157,6 +159,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
                        initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
                        chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
                        precision=policy.wkv_precision)
+    o = checkpoint_name(o, OUTPUT_NAME)      # kept by Runtime(remat_policy="save_dots")
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
 

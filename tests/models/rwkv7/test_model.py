@@ -1,6 +1,9 @@
 """RWKV-7 model: float64 reference parity, state carry, presets, scan/loop/remat, param tree."""
 from __future__ import annotations
 
+import contextlib
+import io
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,12 +161,16 @@ def _loss64(params, delta):
     return float(np.mean(lse - np.take_along_axis(z, tok[:, 1:, None], -1)[..., 0]))
 
 
-def test_scan_with_remat_equals_python_loop(fp32_run):
-    """Python loop without remat (fixture) vs `lax.scan` + `jax.checkpoint`: same tree, values,
-    logits and gradients. (Scan without remat is exercised by the state-carry test.)"""
+@pytest.mark.parametrize("scan,policy", [(True, "full"), (True, "save_dots"),
+                                          (False, "save_dots")])
+def test_scan_with_remat_equals_python_loop(fp32_run, scan, policy):
+    """Python loop without remat (fixture) vs `jax.checkpoint` under each remat policy, with
+    and without `lax.scan`: same tree, values, logits and gradients. (Scan without remat is
+    exercised by the state-carry test.)"""
     loop_model, loop_logits, loop_grads = fp32_run
     loop_params = param_dict(loop_model)
-    model = make(small_cfg(), scale=_GRAD_SCALE, rt=small_rt(scan_layers=True, remat=True))
+    model = make(small_cfg(), scale=_GRAD_SCALE,
+                 rt=small_rt(scan_layers=scan, remat=True, remat_policy=policy))
     (loss, logits), grads = loss_and_grads(model, _GRAD_TOKENS)
     params, grads = param_dict(model), nnx.to_pure_dict(nnx.state(grads))
     assert jax.tree.structure(params) == jax.tree.structure(loop_params)
@@ -175,6 +182,43 @@ def test_scan_with_remat_equals_python_loop(fp32_run):
             assert rel(g, g0) <= 1e-5
         else:  # layer 0's unused v0/v1/v2 get exactly zero gradient on every path
             assert float(jnp.linalg.norm(g)) == 0.0
+
+
+def _saved_for_backward(model) -> list[str]:
+    """`jax.ad_checkpoint.print_saved_residuals` lines of the model's loss gradient."""
+    graphdef, params = nnx.split(model)
+    tok = tokens(1, 33, model.cfg.vocab_size)
+
+    def loss(p):
+        logits = nnx.merge(graphdef, p)(tok[:, :-1])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tok[:, 1:]).mean()
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        jax.ad_checkpoint.print_saved_residuals(loss, params)
+    return buf.getvalue().splitlines()
+
+
+@pytest.mark.parametrize("impl", ["pallas", "chunked"])
+def test_save_dots_keeps_matmul_and_wkv_kernel_outputs(impl):
+    """`remat_policy="save_dots"` keeps each layer's WKV output (every implementation) and,
+    for the Pallas kernel, the kernel's named saved-for-backward arrays, plus the matmul
+    outputs: on the GPU this is what stops the backward from running each forward kernel
+    twice (H200 profile: `wkv7_intra_fwd` 2 -> 1 launch per layer and step). `full` keeps
+    none of them."""
+    cfg = small_cfg(n_layer=2)
+    saved = {}
+    for policy in ("full", "save_dots"):
+        rt = Runtime(wkv_impl=impl, chunk_size=16, remat=True, remat_policy=policy)
+        saved[policy] = _saved_for_backward(RWKV7(cfg, "bf16-mixed", runtime=rt,
+                                                  rngs=nnx.Rngs(0)))
+    count = lambda lines, what: sum(what in line for line in lines)  # noqa: E731
+    assert count(saved["save_dots"], "named 'wkv7_out'") == cfg.n_layer
+    assert count(saved["save_dots"], "output of dot_general") >= 6 * cfg.n_layer
+    kernel = count(saved["save_dots"], "named 'wkv7_residuals'")
+    assert kernel == (4 * cfg.n_layer if impl == "pallas" else 0)
+    assert not any("named" in line or "output of dot_general" in line
+                   for line in saved["full"])
 
 
 def test_param_count_of_0p1b_config_from_module_shapes():
