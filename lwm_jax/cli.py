@@ -49,6 +49,8 @@ def train_main(args: argparse.Namespace) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
+    from lwm_jax.train.distributed import initialize_from_env, is_primary
+    initialize_from_env()                   # a multi-process launch: before any device use
     _check_run_dirs(cfg)
     check_memory_on_devices(cfg)
     from lwm_jax.train.batches import check_tokenizer_record
@@ -68,7 +70,9 @@ def train_main(args: argparse.Namespace) -> int:
     if result.stopped_by in ("SIGINT", "SIGTERM"):   # the trainer said where it checkpointed
         return 130 if result.stopped_by == "SIGINT" else 143
     val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
-    print(f"lwm-jax train: step {result.step}, validation loss {val}, run dir {result.run_dir}")
+    if is_primary():
+        print(f"lwm-jax train: step {result.step}, validation loss {val}, "
+              f"run dir {result.run_dir}")
     return 0
 
 

@@ -96,19 +96,23 @@ class MetricsLogger:
       total_steps / start_step: for the progress bar (start_step > 0 on resume).
       progress: show a tqdm bar (stderr).
       fp16: include loss-scale fields.
+      write: False on the processes of a multi-process run other than process 0: nothing is
+        written or shown (records, TensorBoard, bar, eval lines), so each record exists once.
     """
 
     def __init__(self, run_dir: str, *, n_params: int, tokens_per_step: int, total_steps: int,
-                 start_step: int = 0, progress: bool = True, fp16: bool = False):
+                 start_step: int = 0, progress: bool = True, fp16: bool = False,
+                 write: bool = True):
         from tqdm.auto import tqdm
-        self.run_dir = run_dir
-        self.path = os.path.join(run_dir, "metrics.jsonl")
+        self.run_dir, self._echo = run_dir, write
+        self.path = os.path.join(run_dir, "metrics.jsonl") if write else os.devnull
         self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = _TensorBoard(os.path.join(run_dir, "tb")) if _TensorBoard.available() else None
+        self._tb = (_TensorBoard(os.path.join(run_dir, "tb"))
+                    if write and _TensorBoard.available() else None)
         self.n_params, self.tokens_per_step, self.fp16 = n_params, tokens_per_step, fp16
         self.n_devices = jax.device_count()
         self.peak = peak_flops_per_device()
-        self._bar = tqdm(total=total_steps, initial=start_step, disable=not progress,
+        self._bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and write),
                          unit="step", dynamic_ncols=True)
         self._t0 = time.perf_counter()
         self._mark_time, self._mark_step = self._t0, start_step
@@ -144,7 +148,8 @@ class MetricsLogger:
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self._write({"step": step, "val_loss": float(val_loss)})
-        self._bar.write(f"step {step}: val_loss {float(val_loss):.4f}")
+        if self._echo:
+            self._bar.write(f"step {step}: val_loss {float(val_loss):.4f}")
 
     def _write(self, rec: dict[str, Any]) -> None:
         # Strict JSON: a non-finite number (fp16 overflow, divergence) is written as null.

@@ -28,6 +28,7 @@ from lwm_jax.runtime import RUNTIME_FIELDS
 from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import Checkpointer, CheckpointWriteError, abstract_with_shardings
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
+from lwm_jax.train.distributed import is_primary
 from lwm_jax.train.guard import SkipWatch
 from lwm_jax.train.run_lock import RunDirLock
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
@@ -132,26 +133,31 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     except OSError as err:
         raise ValueError(f"run_dir: cannot create {run_dir} ({err.strerror}); choose a writable "
                          "run_dir") from None
-    # One process per run dir; SIGTERM/SIGINT handlers from the start, so a preemption during
-    # set-up or compilation still ends in a clean stop (the loop sees the flag before step 1).
-    with RunDirLock(run_dir), StopRequest() as stop:
+    # One run per run dir (the lock is process 0's in a multi-process run); SIGTERM/SIGINT
+    # handlers from the start, so a preemption during set-up or compilation still ends in a
+    # clean stop (the loop sees the flag before step 1).
+    lock = RunDirLock(run_dir) if is_primary() else contextlib.nullcontext()
+    with lock, StopRequest() as stop:
         return _train_locked(cfg, run_dir, stop, progress, stop_after)
 
 
 def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: bool,
                   stop_after: int | None) -> TrainResult:
     t = cfg.train
+    primary = is_primary()      # process 0 writes the run's records; every process computes
+    say = tqdm.write if primary else (lambda _msg: None)
     _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
     latest = ckpt.latest_step()
     if latest is not None and latest >= t.steps:
         ckpt.close()
-        tqdm.write(f"lwm-jax train: run {cfg.name!r} in {run_dir} is already complete (checkpoint "
+        say(f"lwm-jax train: run {cfg.name!r} in {run_dir} is already complete (checkpoint "
                    f"at step {latest} of {t.steps}); nothing to do. Raise train.steps to train "
                    "further, or choose a new run_dir")
         return TrainResult(run_dir, latest, None, None, "complete")
-    with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
-        f.write(cfg.to_yaml())
+    if primary:
+        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+            f.write(cfg.to_yaml())
     prog = build_program(cfg)
     policy, mesh, sizes = prog.policy, prog.mesh, prog.sizes
     abstract_state, state_sh = prog.abstract_state, prog.state_sh
@@ -186,13 +192,13 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         raise ValueError(f"checkpoint {latest}: sampler step {sampler.step} != train step {start}")
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     n_params = count_params(abstract_state.params)
-    tqdm.write(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
+    say(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
                f"precision {policy.name}, mesh {sizes}, data {splits.description}; "
                + (f"resumed at step {start}" if latest is not None else "fresh start")
                + f", training to step {end} of {t.steps}")
     logger = MetricsLogger(run_dir, n_params=n_params, tokens_per_step=t.batch_size * t.ctx_len,
                            total_steps=t.steps, start_step=start, progress=progress,
-                           fp16=policy.loss_scale == "dynamic")
+                           fp16=policy.loss_scale == "dynamic", write=primary)
     val_loss, last_eval = None, None
     if val is not None and latest is None and t.eval_every > 0:
         val_loss, last_eval = evaluate(state.params), 0
@@ -243,12 +249,13 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         val_loss = evaluate(state.params)
         logger.log_eval(step, val_loss)
     logger.close()
-    plot_loss_curve(logger.path, os.path.join(run_dir, "loss_curve.png"), title=cfg.name)
+    if primary:
+        plot_loss_curve(logger.path, os.path.join(run_dir, "loss_curve.png"), title=cfg.name)
     if stopped_by == "non-finite":
-        tqdm.write(f"lwm-jax train: {diagnosis}; the last finite state is checkpointed at "
+        say(f"lwm-jax train: {diagnosis}; the last finite state is checkpointed at "
                    f"step {step} in {ckpt.directory}")
     elif stopped_by is not None:
-        tqdm.write(f"lwm-jax train: {stopped_by} received; checkpoint saved at step {step} in "
+        say(f"lwm-jax train: {stopped_by} received; checkpoint saved at step {step} in "
                    f"{ckpt.directory}; run the same command again to resume")
     return TrainResult(run_dir, step, state, val_loss, stopped_by, diagnosis)
 
