@@ -96,7 +96,8 @@ def build_program(cfg: RunConfig) -> TrainProgram:
     mesh = make_mesh(sizes)
 
     # Model shapes (nothing allocated yet), optimizer, shardings.
-    build = lambda: RWKV7(cfg.model, policy, runtime=cfg.runtime, rngs=nnx.Rngs(t.seed))  # noqa
+    build = lambda: RWKV7(cfg.model, policy, runtime=cfg.runtime, mesh=mesh,  # noqa: E731
+                          rngs=nnx.Rngs(t.seed))
     abstract_model = nnx.eval_shape(build)
     graphdef, abstract_params, axes = split_model(abstract_model)
     tx = make_optimizer(t, abstract_params, axes)

@@ -51,7 +51,10 @@ DRIVER = textwrap.dedent("""
     import numpy as np
     import jax
     from lwm_jax.train.config import load_config
+    from flax import nnx
+    from lwm_jax.models.rwkv7 import RWKV7
     from lwm_jax.train.metrics import read_metrics
+    from lwm_jax.train.sharding import make_mesh
     from lwm_jax.train.trainer import train
 
     out_dir, data, batch, *meshes = sys.argv[1:]
@@ -71,8 +74,14 @@ DRIVER = textwrap.dedent("""
         mu = res.state.opt_state[2].mu
         specs["mu['emb']"] = str(mu["emb"].sharding.spec)
         losses = [r["loss"] for r in read_metrics(f"{out_dir}/{mesh}/metrics.jsonl")[0]]
-        json.dump({"losses": losses, "val": res.final_val_loss, "specs": specs},
-                  open(f"{out_dir}/{mesh}.json", "w"))
+        # does the model on this mesh run the WKV sequence-parallel (inside a shard_map)?
+        full = {**dict.fromkeys(("data", "fsdp", "tensor", "sequence"), 1), **sizes}
+        model = RWKV7(cfg.model, "fp32", runtime=cfg.runtime, mesh=make_mesh(full),
+                      rngs=nnx.Rngs(0))
+        tok = jax.numpy.zeros((int(batch), 32), jax.numpy.int32)
+        seq_parallel = "shard_map" in str(jax.make_jaxpr(lambda: model(tok))())
+        json.dump({"losses": losses, "val": res.final_val_loss, "specs": specs,
+                   "seq_parallel": seq_parallel}, open(f"{out_dir}/{mesh}.json", "w"))
 """)
 
 
@@ -107,6 +116,7 @@ def test_2x2_meshes_match_one_device(tmp_path):
     assert len(ref["losses"]) == 3 and ref["losses"][2] < ref["losses"][0]
     for mesh in ("1,2,2,1", "2,1,1,2"):
         meta, params = _load(tmp_path, mesh)
+        assert meta["seq_parallel"] == (mesh.split(",")[3] != "1"), mesh
         np.testing.assert_allclose(meta["losses"], ref["losses"], rtol=2e-5)
         assert abs(meta["val"] - ref["val"]) <= 2e-5 * ref["val"]
         assert params.keys() == ref_params.keys()
@@ -123,7 +133,8 @@ def test_2x2_meshes_match_one_device(tmp_path):
 @pytest.mark.slow
 def test_8_device_meshes_match_one_device(tmp_path):
     """Pure data, data x tensor x sequence, fsdp x sequence and pure sequence meshes over 8
-    devices: the same losses, validation loss and parameters as one device (batch 8)."""
+    devices: the same losses, validation loss and parameters as one device (batch 8); with a
+    `sequence` axis every layer's WKV runs sequence-parallel (4-token slices at sequence 8)."""
     data = str(tmp_path / "pattern")
     write_binidx(data, [(np.arange(600) * (d + 1)) % 61 + 1 for d in range(10)], np.uint16,
                  append_eod=True)
@@ -133,6 +144,8 @@ def test_8_device_meshes_match_one_device(tmp_path):
     ref, ref_params = _load(tmp_path, "1")
     for mesh in meshes:
         meta, params = _load(tmp_path, mesh)
+        # T split over `sequence` inside the WKV (not only around it) wherever the axis splits
+        assert meta["seq_parallel"] == (mesh.split(",")[3] != "1"), mesh
         np.testing.assert_allclose(meta["losses"], ref["losses"], rtol=2e-5, err_msg=mesh)
         assert abs(meta["val"] - ref["val"]) <= 2e-5 * ref["val"], mesh
         for k in params:

@@ -44,7 +44,7 @@ class Block(nnx.Module):
 
 
 def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
-                  runtime, segment_ids_BT=None, probe=None):
+                  runtime, segment_ids_BT=None, probe=None, wkv_op=None):
     """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
 
     Args:
@@ -56,6 +56,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       cfg, policy, runtime: `ModelConfig`, `Policy`, `Runtime` (WKV implementation and chunk).
       probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
         residual stream after each (`x_att`, `x_out`).
+      wkv_op: the WKV7 function TimeMix calls (None: `lwm_jax.ops.wkv7`).
     Returns:
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """
@@ -64,7 +65,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
-        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"))
+        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"), wkv_op=wkv_op)
     x_BTC = x_BTC + att
     if probe is not None:
         probe("x_att", x_BTC)

@@ -84,11 +84,16 @@ class RWKV7(nnx.Module):
       policy: `Policy` or a string accepted by `parse_policy` (e.g. "bf16-mixed").
       runtime: `Runtime` (WKV implementation, chunk, remat, layer scan); None = defaults.
         It changes how the model runs, never its math or parameter tree.
+      mesh: the device mesh the model runs on, or None. When its `sequence` axis has more
+        than one device, every layer's WKV runs sequence-parallel over it
+        (`lwm_jax.ops.wkv7.sequence_parallel`: each device its contiguous slice of T, the
+        slices' state transitions composed across devices) instead of on the whole sequence
+        per device. T must then be divisible by that axis. Math and parameters unchanged.
       rngs: `nnx.Rngs`; the `params` stream seeds every random init.
     """
 
     def __init__(self, cfg: ModelConfig, policy: Policy | str, *, runtime: Runtime | None = None,
-                 rngs: nnx.Rngs):
+                 mesh=None, rngs: nnx.Rngs):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"RWKV7: cfg must be a lwm_jax.ModelConfig, got {type(cfg).__name__}")
         if runtime is not None and not isinstance(runtime, Runtime):
@@ -97,6 +102,7 @@ class RWKV7(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
+        self.mesh = mesh if mesh is not None and mesh.shape.get("sequence", 1) > 1 else None
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.emb = nnx.Param(init.embedding(rngs.params(), V, C, pd),
                              logical_axes=("vocab", "embed"))
@@ -197,12 +203,18 @@ class RWKV7(nnx.Module):
         logits = head_fn(self.policy)(x_BTC, self.head_params())
         return logits.astype(self.policy.output_dtype)
 
+    def _wkv_op(self):
+        """The WKV7 function of every layer: sequence-parallel over `self.mesh`, or None
+        (= `lwm_jax.ops.wkv7` on each device's whole sequence)."""
+        return None if self.mesh is None else _sequence_parallel_wkv(self.mesh)
+
     def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
         """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
         cfg, policy, rt = self.cfg, self.policy, self.runtime
 
         def make(first):
-            fn = partial(block_forward, first=first, cfg=cfg, policy=policy, runtime=rt)
+            fn = partial(block_forward, first=first, cfg=cfg, policy=policy, runtime=rt,
+                         wkv_op=self._wkv_op())
 
             def step(p, x, v_first, st, seg, layer_probe=None):
                 return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
@@ -256,6 +268,15 @@ def head_fn(policy: Policy):
         xo = layer_norm(x_BTC, weight, bias, out_dtype=jnp.float32)
         return policy.einsum_f32("btc,cv->btv", xo, head_CV)
     return f
+
+
+def _sequence_parallel_wkv(mesh):
+    """`wkv7` with T split over `mesh`'s `sequence` axis (heads over `tensor` when it splits
+    them), called like `wkv7`."""
+    from lwm_jax.ops.wkv7.sequence_parallel import wkv7_sequence_parallel
+
+    head_axis = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+    return partial(wkv7_sequence_parallel, mesh=mesh, axis="sequence", head_axis=head_axis)
 
 
 def remat_policy(runtime: Runtime):

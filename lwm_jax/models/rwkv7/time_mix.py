@@ -105,7 +105,7 @@ def _lora(policy, x_BTC, down, up):
 
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
-                     segment_ids_BT=None, probe=None) -> tuple[Any, Any, Any]:
+                     segment_ids_BT=None, probe=None, wkv_op=None) -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
     Args:
@@ -119,6 +119,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
       probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`); sees r, k, v, the
         log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
+      wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7` is (None: `wkv7`); e.g. the
+        sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
     Returns:
       `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
       dtype, state float32.
@@ -155,7 +157,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     for name, val in (("r", r4), ("w", heads(w)), ("k", k4), ("v", v4), ("a_in", a_in),
                       ("b_in", b_in), ("a", a), ("g", g)):
         tap(name, val)
-    o, wkv_BHNN = wkv7(r4, heads(w), k4, v4, a_in, b_in,
+    o, wkv_BHNN = (wkv_op or wkv7)(r4, heads(w), k4, v4, a_in, b_in,
                        initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
                        chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
                        precision=policy.wkv_precision)
