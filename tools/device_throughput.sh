@@ -3,7 +3,10 @@
 #
 #   bash tools/device_throughput.sh prefill       # prefill [1, 4096]: ours then FLA, logits on both sides
 #   bash tools/device_throughput.sh profile [..]  # ours, 0.1B + 1.5B bf16-mixed, top GPU ops (extra args: train_step.py's)
-#   bash tools/device_throughput.sh train [..]    # FLA amp first (autotune), then ours bf16-mixed, same call
+#   bash tools/device_throughput.sh train MODEL [..]  # FLA amp first (autotune), then ours bf16-mixed, same call
+#
+# FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: 116 s of
+# warm-up; 0.1B did not finish in 240 s on 2026-11-23): one model per call, the peer first.
 #   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
 #
 # Needs the fla-core, flash-linear-attention and einops wheels in .peer/ (carried).
@@ -25,10 +28,11 @@ case "$mode" in
   profile)
     python3 benchmarks/train_step.py --profile /tmp/prof --out "$OUT/ours_profile.jsonl" "$@" ;;
   train)
+    model=${1:?usage: $0 train 0.1b|1.5b [train_step.py args]}; shift
     peer
-    PYTHONPATH=/tmp/site timeout 330 python3 benchmarks/peers/fla_train.py --modes amp 2>&1 \
-      | tee "$OUT/fla_train.log" | grep -v Warning | tail -4
-    python3 benchmarks/train_step.py --out "$OUT/ours_train.jsonl" "$@" ;;
+    PYTHONPATH=/tmp/site timeout 420 python3 -W ignore benchmarks/peers/fla_train.py \
+      --models "$model" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+    python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
   *) echo "usage: $0 prefill|profile|train|precisions [train_step.py args]" >&2; exit 2 ;;
