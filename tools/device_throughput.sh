@@ -35,5 +35,5 @@ case "$mode" in
     python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
-  *) echo "usage: $0 prefill|profile|train|precisions [train_step.py args]" >&2; exit 2 ;;
+  *) echo "usage: $0 prefill|profile|train MODEL|precisions [train_step.py args]" >&2; exit 2 ;;
 esac
