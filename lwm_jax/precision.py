@@ -119,6 +119,7 @@ class Policy:
         """
         out_dtype = self.compute_dtype if out_dtype is None else out_dtype
         if len(operands) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
+            _einsum_terms(spec)               # a spec the custom backward cannot transpose
             y = _low_precision_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
                                       *operands)
             return y.astype(out_dtype)
@@ -167,7 +168,6 @@ def _einsum_terms(spec: str) -> tuple[str, str, str]:
 
 
 def _low_precision_einsum_fwd(spec, compute_dtype, precision, x, y):
-    _einsum_terms(spec)
     x_c, y_c = x.astype(compute_dtype), y.astype(compute_dtype)
     out = jnp.einsum(spec, x_c, y_c, precision=precision, preferred_element_type=jnp.float32)
     return out, (x_c, y_c, np.zeros((0,), x.dtype), np.zeros((0,), y.dtype))
