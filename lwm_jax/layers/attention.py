@@ -1,0 +1,110 @@
+"""Grouped-query attention through `jax.nn.dot_product_attention`, and its KV cache.
+
+Every call goes through `jax.nn.dot_product_attention` with `implementation=None`: JAX picks
+the implementation (in jax 0.10 / 0.11 that is always its XLA form; selecting cuDNN's fused
+kernel automatically is a TODO in JAX itself). Its XLA form takes the query-key products with
+float32 accumulation and float32 output for 16-bit inputs, and the softmax in float32 (tested in
+tests/layers/test_attention.py); the probabilities are then cast to the value dtype for the
+second product. The matmul precision of float32 inputs is set for the call with
+`jax.default_matmul_precision(precision)`, so `fp32` ("highest") attention is IEEE float32 on
+GPU and TPU too, not TF32 / one bf16 pass.
+
+Masks: causal always. With `segment_ids_BT` (packed documents), a boolean mask also keeps every
+query inside its own segment. With a cache, query `t` of row `b` sits at position
+`length[b] + t` and sees the cache entries `s <= length[b] + t`.
+
+Heads: queries `[B, T, H, D]`, keys/values `[B, S, K, D]` with `H % K == 0` (K = H is plain
+multi-head attention, K = 1 multi-query).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Keys and values of every position seen so far (optionally stacked with a leading layer
+    axis L on every field).
+
+    k, v: `[B, S_max, K, D]` in the compute dtype; entries at and past `length` are unused.
+    length: int32 `[B]`, positions filled per row (rows may differ).
+    """
+
+    k: jax.Array
+    v: jax.Array
+    length: jax.Array
+
+
+def empty_cache(batch: int, max_len: int, kv_heads: int, head_dim: int, dtype,
+                layers: tuple[int, ...] = ()) -> KVCache:
+    """Zero cache for `batch` fresh rows of up to `max_len` positions (`layers=(L,)` stacks)."""
+    shape = (*layers, batch, max_len, kv_heads, head_dim)
+    return KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype),
+                   jnp.zeros((*layers, batch), jnp.int32))
+
+
+def segment_mask(segment_ids_BT):
+    """bool `[B, 1, T, T]`: query t sees key s when `s <= t` and both share a segment id."""
+    seg = jnp.asarray(segment_ids_BT)
+    T = seg.shape[1]
+    causal = jnp.tril(jnp.ones((T, T), bool))
+    same = seg[:, :, None] == seg[:, None, :]
+    return (same & causal)[:, None]
+
+
+def cache_mask(length_B, T: int, S: int):
+    """bool `[B, 1, T, S]`: query t of row b (at position `length[b] + t`) sees entries
+    `s <= length[b] + t`."""
+    q_pos = length_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None]
+    return (jnp.arange(S, dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None])[:, None]
+
+
+def attend(q_BTHD, k_BSKD, v_BSKD, *, precision: str, mask=None, is_causal: bool = False):
+    """`softmax(q k^T / sqrt(D) + mask) v` per head group; returns `[B, T, H, D]` in q's dtype.
+
+    `precision`: matmul precision name for float32 inputs ("default" | "high" | "highest").
+    `mask`: optional bool `[B, 1, T, S]` (True = attend).
+    """
+    H, K = q_BTHD.shape[2], k_BSKD.shape[2]
+    if H % K:
+        raise ValueError(f"attention: {H} query heads are not a multiple of {K} key/value heads")
+    dtype = q_BTHD.dtype
+    with jax.default_matmul_precision(precision):
+        return jax.nn.dot_product_attention(q_BTHD, k_BSKD.astype(dtype), v_BSKD.astype(dtype),
+                                            mask=mask, is_causal=is_causal, implementation=None)
+
+
+def self_attention(q_BTHD, k_BTKD, v_BTKD, *, precision: str, segment_ids_BT=None):
+    """Causal attention of a whole sequence (training, scoring, prefill without a cache)."""
+    if segment_ids_BT is None:
+        return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision, is_causal=True)
+    return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision,
+                  mask=segment_mask(segment_ids_BT))
+
+
+def write_cache(cache: KVCache, k_BTKD, v_BTKD) -> KVCache:
+    """`cache` with the T new keys/values of each row written at positions `length[b]..+T`
+    and `length` advanced by T. The caller keeps `length + T <= S_max` (a write past the end
+    would be clamped by XLA, silently)."""
+    def put(buf_SKD, new_TKD, start):
+        return jax.lax.dynamic_update_slice(buf_SKD, new_TKD.astype(buf_SKD.dtype),
+                                            (start, 0, 0))
+    k = jax.vmap(put)(cache.k, k_BTKD, cache.length)
+    v = jax.vmap(put)(cache.v, v_BTKD, cache.length)
+    return KVCache(k, v, cache.length + k_BTKD.shape[1])
+
+
+def cached_attention(q_BTHD, k_BTKD, v_BTKD, cache: KVCache, *, precision: str):
+    """Append the new keys/values to `cache`, then attend over everything cached so far.
+
+    Returns `(out [B, T, H, D], new cache)`. Equal to `self_attention` on the whole history.
+    """
+    T, S = q_BTHD.shape[1], cache.k.shape[1]
+    mask = cache_mask(cache.length, T, S)
+    cache = write_cache(cache, k_BTKD, v_BTKD)
+    out = attend(q_BTHD, cache.k, cache.v, precision=precision, mask=mask)
+    return out, cache
