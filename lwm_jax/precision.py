@@ -33,7 +33,9 @@ when m=highest, else high), s=loss scale).
 
 Whatever the policy, the fp32 islands (RWKV-7 decay, WKV state, norm statistics, `kk`
 normalisation, logits and loss, optimizer moments) are computed in float32 by the modules that
-own them; the policy never reaches inside those.
+own them; the policy never reaches inside those. An island is its forward values: the
+gradients flowing back through the island's matmuls (the head, the decay LoRA) are products in
+the compute dtype with float32 accumulation, like every other backward product of the step.
 """
 from __future__ import annotations
 
@@ -135,8 +137,16 @@ class Policy:
         precision, so under `fp32` it is IEEE fp32 and under the mixed presets it is what XLA
         does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never less
         precise than a bf16 matmul, and as fast as the hardware's fp32 path allows.
+
+        The island is the forward value. Under a 16-bit compute dtype the two backward products
+        (two operands) take 16-bit operands with float32 accumulation and float32 gradients,
+        like every other backward product of the step (`_island_einsum`): the LM head's
+        gradient GEMMs were two thirds of its time as TF32.
         """
         ops = [x.astype(jnp.float32) for x in operands]
+        if len(ops) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
+            _einsum_terms(spec)               # a spec the custom backward cannot transpose
+            return _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision, *ops)
         return jnp.einsum(spec, *ops, precision=self.lax_precision,
                           preferred_element_type=jnp.float32)
 
@@ -185,6 +195,23 @@ def _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct):
 
 
 _low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _island_einsum(spec: str, compute_dtype, precision, x, y):
+    """`einsum(spec, x, y)` on float32 operands (an fp32 island's forward), whose backward
+    products round the cotangent and the saved operands to the 16-bit `compute_dtype` and
+    accumulate in float32 (`_low_precision_einsum_bwd`); gradients are float32."""
+    return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _island_einsum_fwd(spec, compute_dtype, precision, x, y):
+    out = jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+    return out, (x.astype(compute_dtype), y.astype(compute_dtype),
+                 np.zeros((0,), x.dtype), np.zeros((0,), y.dtype))
+
+
+_island_einsum.defvjp(_island_einsum_fwd, _low_precision_einsum_bwd)
 
 
 def _cast_floats(tree, dtype):

@@ -293,6 +293,59 @@ def test_e_logits_and_loss_in_fp32():
         assert np.abs(per_token(fn, logits) - ref_loss).max() < 1e-4
 
 
+def _dot_operand_dtypes(jaxpr, found):
+    """Operand dtype pairs of every dot_general in `jaxpr` and its sub-jaxprs."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            found.append(tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars))
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    _dot_operand_dtypes(inner, found)
+    return found
+
+
+@pytest.mark.parametrize("preset,V,C,B,T", [("bf16-mixed", 512, 64, 2, 24),
+                                             ("fp16-mixed", 512, 64, 2, 24),
+                                             ("fp16-mixed", 4096, 16, 1, 32768)])
+def test_e_logits_island_is_the_forward_and_its_gradients_use_the_compute_dtype(preset, V, C,
+                                                                               B, T):
+    """The trainer's fused loss under a 16-bit policy: the head's forward product takes float32
+    operands (the island) and its two gradient products take 16-bit ones (as every other
+    backward product of the step; as TF32 they were two thirds of the head's time on an H200).
+    The loss equals the one from a plain float32 head; the gradients equal float32 ones to
+    16-bit rounding -- also at 32768 positions and 4096 classes, where the mean's 1 / (B T) folded into
+    an fp16 cotangent would leave its entries ~1e-8, below fp16's smallest subnormal."""
+    from lwm_jax.models.rwkv7 import head_fn
+    from lwm_jax.precision import parse_policy
+    from lwm_jax.train.loss import fused_lm_loss
+
+    policy, low = parse_policy(preset), jnp.dtype(PRESETS[preset].compute_dtype)
+    params = (1.0 + normal(1, (C,), scale=0.1), normal(2, (C,), scale=0.1),
+              normal(3, (C, V), scale=1 / np.sqrt(C)))
+    x = normal(4, (B, T, C), low)
+    labels = jnp.asarray(np.random.default_rng(5).integers(0, V, (B, T)))
+
+    def loss(x, p, pol):
+        return fused_lm_loss(head_fn(pol), x, p, labels, chunk_tokens=max(16, T // 4),
+                             use_l2wrap=True)
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1))
+    dtypes = _dot_operand_dtypes(jax.make_jaxpr(lambda x, p: grad(x, p, policy))(x, params).jaxpr,
+                                 [])
+    names = sorted("x".join(d.name for d in pair) for pair in dtypes)
+    assert names == sorted(["float32xfloat32"] + [f"{low.name}x{low.name}"] * 2), names
+    value, (dx, dp) = grad(x, params, policy)
+    value32, (dx32, dp32) = grad(x, params, PRESETS["fp32"])
+    assert float(value) == pytest.approx(float(value32), rel=1e-6)
+    assert dx.dtype == low and all(g.dtype == F32 for g in dp)
+    # 16-bit rounding of the operands: ~3e-3 (bf16), ~1e-3 (fp16); with the 1 / (B T) inside
+    # the fp16 cotangent the 32768-position case was 2.6e-2 (dx) and 0.29 (head)
+    assert rel(dx, dx32) < 5e-3 and rel(dp[2], dp32[2]) < 5e-3
+    assert rel(dp[2], dp32[2]) > 0          # the products really were rounded
+
+
 @pytest.mark.parametrize("preset,dtype", [("fp16-mixed", F16), ("bf16-mixed", BF16),
                                           ("bf16", BF16), ("fp32", F32)])
 def test_wkv_inputs_share_one_dtype(monkeypatch, preset, dtype):

@@ -155,16 +155,19 @@ _FP16_TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 32, (2, 5)), jnp
 
 def test_fp16_step_unscales_its_gradients(fp16_program):
     """The gradient the fp16 step reports and feeds to Adam is the loss's gradient, whatever the
-    loss scale: a step at scale 2^10 and one at scale 1 agree (powers of two are exact)."""
+    loss scale: a step at scale 2^10 and one at scale 2^4 agree (powers of two are exact).
+    Not scale 1: the fused loss hands the trunk its float32 gradient times the scale, so at
+    scale 1 more of it lands among fp16's subnormals than at 2^10 (one entry of 1024 then
+    differs by an fp16 rounding, 5e-4) -- the reason a loss scale exists."""
     program, host = fp16_program
     scaled, s_metrics = program.train_step(_placed(program, host, 2.0 ** 10), _FP16_TOKENS)
-    plain, p_metrics = program.train_step(_placed(program, host, 1.0), _FP16_TOKENS)
+    plain, p_metrics = program.train_step(_placed(program, host, 2.0 ** 4), _FP16_TOKENS)
     assert float(s_metrics["finite"]) == float(p_metrics["finite"]) == 1.0
-    assert float(s_metrics["loss_scale"]) == 2.0 ** 10 and float(p_metrics["loss_scale"]) == 1.0
+    assert float(s_metrics["loss_scale"]) == 2.0 ** 10 and float(p_metrics["loss_scale"]) == 16.0
     ratio = float(s_metrics["grad_norm"]) / float(p_metrics["grad_norm"])
-    assert abs(ratio - 1) < 1e-4, f"grad_norm at loss scale 2^10 is {ratio:g}x the unscaled one"
-    # Adam's m = 0.1 * gradient. At scale 1 the smallest fp16 gradients are subnormal (spacing
-    # 2^-24 = 6e-8; observed: 2 of 1024 entries of one matrix off by 3e-8): atol 1e-8 on m.
+    assert abs(ratio - 1) < 1e-4, f"grad_norm at loss scale 2^10 is {ratio:g}x the one at 2^4"
+    # Adam's m = 0.1 * gradient. The smallest fp16 gradients can still be subnormal at 2^4
+    # (spacing 2^-24 = 6e-8 before unscaling): atol 1e-8 on m.
     mu = lambda st: jax.device_get(st.opt_state[2].mu)   # noqa: E731
     chex.assert_trees_all_close(mu(scaled), mu(plain), rtol=1e-4, atol=1e-8)
     # (The parameters are no witness: Adam's first update is lr * sign(g) whatever g's scale,

@@ -75,7 +75,7 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
     positions of every row); a `lax.scan` computes each chunk's float32 logits, its share of the
     mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
     L2Wrap's term at the argmax) pulled back to `x` and `head_params`. The forward therefore
-    keeps `d x` (`[B, T, C]`, x's dtype) and the head gradient, and the backward only scales
+    keeps `d x` (`[B, T, C]` float32) and the head gradient, and the backward only scales
     them by the incoming cotangent: no logits are recomputed and none outlive their chunk.
 
     Args:
@@ -127,9 +127,13 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
             top_Bn = jnp.max(logits_BnV, axis=-1)
             at_top = vocab_ids == jnp.argmax(logits_BnV, axis=-1)[..., None]
             d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None], 0.0)
-        dx_BnC, d_p = pullback(d_logits * weight_Bn[..., None])
+        # pulled back at unit scale (each position's d_logits in [-1, 1] plus L2Wrap's term),
+        # the 1 / (B T) of the mean applied after in float32: the head's gradient products
+        # take 16-bit operands under a 16-bit policy, where 1e-5-sized cotangents would
+        # lose their bits (fp16) to the scale alone
+        dx_BnC, d_p = pullback(d_logits * valid_n[None, :, None])
         d_head = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), d_head, d_p)
-        return (loss_sum, d_head), dx_BnC
+        return (loss_sum, d_head), dx_BnC.astype(jnp.float32)
 
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params)
     (loss, d_head), dx = jax.lax.scan(body, (jnp.zeros([], jnp.float32), zeros),
@@ -137,7 +141,8 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
                                        valid.reshape(NC, n)))
     if not with_grad:
         return loss, None
-    dx_BTC = jnp.moveaxis(dx, 0, 1).reshape(B, NC * n, C)[:, :T]
+    dx_BTC = jnp.moveaxis(dx, 0, 1).reshape(B, NC * n, C)[:, :T] * inv_total
+    d_head = jax.tree.map(lambda d: d * inv_total, d_head)
     return loss, (dx_BTC, d_head)
 
 
@@ -149,14 +154,16 @@ def _fused(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT):
 def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT):
     loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params,
                                  targets_BT)
-    protos = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), head_params)   # dtypes only
+    protos = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (x_BTC, head_params))  # dtypes
     return loss, (grads, protos, targets_BT)
 
 
 def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, res, g):
-    (dx_BTC, d_head), protos, targets_BT = res
+    # the gradients are kept in float32 and scaled by the cotangent (a loss scale under
+    # fp16-mixed) before they are cast to their operands' dtypes
+    (dx_BTC, d_head), (x_proto, protos), targets_BT = res
     g = g.astype(jnp.float32)
-    dx = (dx_BTC.astype(jnp.float32) * g).astype(dx_BTC.dtype)
+    dx = (dx_BTC * g).astype(x_proto.dtype)
     d_head = jax.tree.map(lambda d, proto: (d * g).astype(proto.dtype), d_head, protos)
     return dx, d_head, np.zeros(targets_BT.shape, jax.dtypes.float0)
 
