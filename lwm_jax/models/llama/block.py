@@ -1,0 +1,132 @@
+"""LLaMA block = RMSNorm -> grouped-query attention with RoPE, RMSNorm -> SwiGLU, both residual.
+
+`Block` holds the parameters of ALL layers stacked on a leading `layers` axis; `block_forward`
+is the pure per-layer function (one layer's parameter slice in, new residual stream out) that
+the model's Python loop and its `lax.scan` both call.
+
+Dtypes: the residual stream, q/k/v, the attention output and the MLP run in
+`policy.compute_dtype`, every projection through `policy.einsum` (explicit precision, float32
+accumulation). float32 islands: the RMSNorm statistics, the RoPE angles and rotation, the
+attention logits and softmax, and the SiLU gate (`silu(g) * u` in float32, cast once).
+
+Initialisation: every matrix ~ N(0, 0.02^2), except the two that write into the residual
+stream (`attn.o`, `mlp.down`), which get 0.02 / sqrt(2L) so that the stream's variance at
+init does not grow with depth (GPT-2's rule).
+"""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from lwm_jax.layers.attention import KVCache, cached_attention, self_attention
+from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
+from lwm_jax.layers.rope import apply_rope
+
+INIT_STD = 0.02
+
+
+def normal(key, shape, std: float, dtype):
+    """N(0, std^2) in float32, cast to `dtype`."""
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
+class Attention(nnx.Module):
+    """Attention projections of all L layers, `x @ W` layout (logical axes in brackets):
+    q `[L, C, H*D]`, k and v `[L, C, K*D]` (layers, embed, heads), o `[L, H*D, C]`
+    (layers, heads, embed). "heads" names the flattened head-times-head_dim axis."""
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        L, C, D, pd = cfg.n_layer, cfg.n_embd, cfg.head_dim, policy.param_dtype
+        out_std = INIT_STD / math.sqrt(2 * L)
+        in_axes, out_axes = ("layers", "embed", "heads"), ("layers", "heads", "embed")
+        self.q = nnx.Param(normal(rngs.params(), (L, C, cfg.n_head * D), INIT_STD, pd),
+                           logical_axes=in_axes)
+        self.k = nnx.Param(normal(rngs.params(), (L, C, cfg.n_kv_head * D), INIT_STD, pd),
+                           logical_axes=in_axes)
+        self.v = nnx.Param(normal(rngs.params(), (L, C, cfg.n_kv_head * D), INIT_STD, pd),
+                           logical_axes=in_axes)
+        self.o = nnx.Param(normal(rngs.params(), (L, cfg.n_head * D, C), out_std, pd),
+                           logical_axes=out_axes)
+
+
+class MLP(nnx.Module):
+    """SwiGLU of all L layers: gate and up `[L, C, F]` (layers, embed, mlp), down `[L, F, C]`
+    (layers, mlp, embed)."""
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        L, C, F, pd = cfg.n_layer, cfg.n_embd, cfg.ffn_hidden, policy.param_dtype
+        self.gate = nnx.Param(normal(rngs.params(), (L, C, F), INIT_STD, pd),
+                              logical_axes=("layers", "embed", "mlp"))
+        self.up = nnx.Param(normal(rngs.params(), (L, C, F), INIT_STD, pd),
+                            logical_axes=("layers", "embed", "mlp"))
+        self.down = nnx.Param(normal(rngs.params(), (L, F, C), INIT_STD / math.sqrt(2 * L), pd),
+                              logical_axes=("layers", "mlp", "embed"))
+
+
+class Block(nnx.Module):
+    """Parameters of all L blocks: `attn_norm`, `mlp_norm` (RMSNorm `[L, C]`), `attn`, `mlp`."""
+
+    def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
+        stack, pd = (cfg.n_layer,), policy.param_dtype
+        self.attn_norm = RMSNorm(cfg.n_embd, param_dtype=pd, stack=stack, eps=cfg.rms_eps)
+        self.attn = Attention(cfg, policy, rngs=rngs)
+        self.mlp_norm = RMSNorm(cfg.n_embd, param_dtype=pd, stack=stack, eps=cfg.rms_eps)
+        self.mlp = MLP(cfg, policy, rngs=rngs)
+
+
+def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
+                      segment_ids_BT=None):
+    """One layer's attention on normalised input `x_BTC` -> `([B, T, C], new cache or None)`."""
+    B, T, _ = x_BTC.shape
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    q = policy.einsum("btc,cf->btf", x_BTC, p["q"]).reshape(B, T, H, D)
+    k = policy.einsum("btc,cf->btf", x_BTC, p["k"]).reshape(B, T, K, D)
+    v = policy.einsum("btc,cf->btf", x_BTC, p["v"]).reshape(B, T, K, D)
+    q, k = apply_rope(q, cos_BTK, sin_BTK), apply_rope(k, cos_BTK, sin_BTK)
+    prec = policy.matmul_precision
+    if cache is None:
+        out = self_attention(q, k, v, precision=prec, segment_ids_BT=segment_ids_BT)
+    else:
+        out, cache = cached_attention(q, k, v, cache, precision=prec)
+    return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"]), cache
+
+
+def mlp_forward(p: dict, x_BTC, *, policy):
+    """SwiGLU `down(silu(gate x) * up x)`; the gate product in float32, cast once."""
+    g = policy.einsum("btc,cf->btf", x_BTC, p["gate"], out_dtype=jnp.float32)
+    u = policy.einsum("btc,cf->btf", x_BTC, p["up"], out_dtype=jnp.float32)
+    hidden = (jax.nn.silu(g) * u).astype(policy.compute_dtype)
+    return policy.einsum("btf,fc->btc", hidden, p["down"])
+
+
+def block_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
+                  segment_ids_BT=None, probe=None):
+    """One layer: `x += attn(norm(x)); x += mlp(norm(x))`.
+
+    Args:
+      p: one layer's parameters `{"attn_norm", "attn", "mlp_norm", "mlp"}` (plain dict).
+      x_BTC: `[B, T, C]` residual stream in `policy.compute_dtype`.
+      cos_BTK, sin_BTK: float32 `[B or 1, T, D/2]` RoPE tables of this call's positions.
+      cache: this layer's `KVCache` (decoding) or None (whole-sequence attention).
+      cfg: the resolved `LlamaConfig`. policy: `Policy`.
+      segment_ids_BT: packed-document ids (whole-sequence attention only).
+      probe: optional `probe(name, x)` tap: `attn_out`, `x_att`, `mlp_out`, `x_out`.
+    Returns:
+      `(x_BTC, new cache or None)`.
+    """
+    cd = policy.compute_dtype
+    h = rms_norm(x_BTC, p["attn_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
+    att, cache = attention_forward(p["attn"], h, cos_BTK, sin_BTK, cache, cfg=cfg,
+                                   policy=policy, segment_ids_BT=segment_ids_BT)
+    x_BTC = x_BTC + att
+    h = rms_norm(x_BTC, p["mlp_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
+    mlp = mlp_forward(p["mlp"], h, policy=policy)
+    x_BTC_out = x_BTC + mlp
+    if probe is not None:
+        for name, value in (("attn_out", att), ("x_att", x_BTC), ("mlp_out", mlp),
+                            ("x_out", x_BTC_out)):
+            probe(name, value)
+    return x_BTC_out, cache
