@@ -1,7 +1,8 @@
 """Our own checkpoint directory: `config.yaml` + an orbax checkpoint of the params tree.
 
 Layout of `<dir>`:
-  config.yaml   `format: lwm_jax-params/1`, `model:` (the `ModelConfig` fields), `source:`
+  config.yaml   `format: lwm_jax-params/1`, `arch:` (only when not rwkv7), `model:` (the
+                config fields of that family: `ModelConfig`, `LlamaConfig`), `source:`
   params/       orbax `StandardCheckpointer` save of the params tree (float32, stacked blocks)
 
 This is what `lwm-jax convert` writes and what `load_pretrained(dir)` reads back. Training runs
@@ -19,6 +20,7 @@ import yaml
 
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import params
+from lwm_jax.models.registry import DEFAULT_ARCH, arch_of_config, get_arch
 from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
                                 one_line, quote_path)
 
@@ -33,13 +35,15 @@ def is_native(path: str | os.PathLike) -> bool:
 
 
 def model_config_from(doc: dict, file: Path) -> ModelConfig:
-    """`ModelConfig` from the `model:` mapping of a loaded YAML file; ValueError (one line
-    naming `file`) for a missing section, an unknown key or an invalid value."""
+    """The model config (of the family named by the file's `arch:` key, default rwkv7) from
+    the `model:` mapping of a loaded YAML file; ValueError (one line naming `file`) for a
+    missing section, an unknown family or key, or an invalid value."""
     if not isinstance(doc, dict) or not isinstance(doc.get("model"), dict):
         raise ValueError(f"{file}: expected a mapping with a 'model:' section of model sizes; "
                          "restore the file or re-create the checkpoint")
     try:
-        return ModelConfig.from_dict(doc["model"], where=f"{file}: model")
+        config_cls = get_arch(doc.get("arch", DEFAULT_ARCH)).config_cls
+        return config_cls.from_dict(doc["model"], where=f"{file}: model")
     except (ValueError, TypeError) as err:
         text = str(err)
         raise ValueError(text if text.startswith(str(file)) else f"{file}: {text}") from None
@@ -80,7 +84,9 @@ def save_native(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, source
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(root / PARAMS, values)
     checkpointer.wait_until_finished()
-    doc = {"format": FORMAT, "model": cfg.to_dict(), "source": str(source)}
+    arch = arch_of_config(cfg).name
+    doc = {"format": FORMAT, **({} if arch == DEFAULT_ARCH else {"arch": arch}),
+           "model": cfg.to_dict(), "source": str(source)}
     (root / CONFIG).write_text(yaml.safe_dump(doc, sort_keys=False))
     return root
 

@@ -1,4 +1,5 @@
-"""Moving parameter trees in and out of an `RWKV7` model.
+"""Moving parameter trees in and out of a model of any family (`RWKV7`, `Llama`: the family
+comes from the config's type, `lwm_jax.models.registry.arch_of_config`).
 
 A "params tree" here is the plain nested dict `nnx.state(model, nnx.Param).to_pure_dict()`:
 string keys, NumPy/JAX array leaves (float32), block leaves stacked with a leading `[L]` axis.
@@ -19,16 +20,17 @@ from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.precision import Policy, parse_policy
 
 
-def _model_cls():
-    from lwm_jax.models.rwkv7 import RWKV7
-    return RWKV7
+def _model_cls(cfg):
+    from lwm_jax.models.registry import arch_of_config
+    return arch_of_config(cfg).model_cls
 
 
 def abstract_model(cfg: ModelConfig, policy: Policy | str = "fp32", runtime=None):
-    """An `RWKV7` whose arrays are `jax.ShapeDtypeStruct`s (no memory, no init compute);
-    `runtime`: a `lwm_jax.runtime.Runtime` or None (defaults)."""
+    """A model of `cfg`'s family (`RWKV7` for a `ModelConfig`, `Llama` for a `LlamaConfig`)
+    whose arrays are `jax.ShapeDtypeStruct`s (no memory, no init compute); `runtime`: a
+    `lwm_jax.runtime.Runtime` or None (defaults)."""
     pol = parse_policy(policy)
-    cls = _model_cls()
+    cls = _model_cls(cfg)
     return nnx.eval_shape(lambda: cls(cfg, pol, runtime=runtime, rngs=nnx.Rngs(0)))
 
 
@@ -104,7 +106,8 @@ def check_finite(tree: dict, where: str) -> None:
 
 def model_from_params(cfg: ModelConfig, tree: dict, policy: Policy | str = "fp32",
                       runtime=None):
-    """Build an `RWKV7` holding `tree` (checked against `cfg`; cast to the policy's param dtype),
+    """Build a model of `cfg`'s family holding `tree` (checked against `cfg`; cast to the
+    policy's param dtype),
     run with `runtime` (a `lwm_jax.runtime.Runtime`; None = defaults)."""
     pol = parse_policy(policy)
     check_tree(cfg, tree, "params")

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import NamedSharding
 
-from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
 from lwm_jax.data.prepare import read_tokenizer_record
 from lwm_jax.tokenizers import get_tokenizer
@@ -31,8 +31,10 @@ class TokenSplits:
     description: str
 
 
-def load_splits(d: DataSection, model: ModelConfig) -> TokenSplits:
+def load_splits(d: DataSection, model: Any) -> TokenSplits:
     """Open the configured data (or the embedded corpus) and split off validation tokens.
+
+    `model`: the run's model config (any family; only its `vocab_size` is read).
 
     Raises ValueError (one line naming the key) when the tokenizer does not fit the model or
     disagrees with the one `lwm-jax prepare` recorded next to `data.path` / `data.val_path`.

@@ -1,10 +1,10 @@
 """Typed run configuration for `lwm-jax train`: YAML file + dotted overrides -> `RunConfig`.
 
-A run config has a few top-level keys (`name`, `run_dir`, `precision`) and six sections:
+A run config has a few top-level keys (`name`, `run_dir`, `precision`, `arch`) and six sections:
 
 | section      | type              | what                                                        |
 |--------------|-------------------|-------------------------------------------------------------|
-| `model`      | `ModelConfig`     | RWKV-7 architecture (`lwm_jax.models.rwkv7.config.ModelConfig`) |
+| `model`      | per `arch`        | architecture: `ModelConfig` (rwkv7) or `LlamaConfig` (llama) |
 | `runtime`    | `Runtime`         | WKV implementation, chunk, remat, layer scan (`lwm_jax.runtime`) |
 | `train`      | `TrainSection`    | optimiser, schedule, batch, loop cadence                    |
 | `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import yaml
 
+from lwm_jax.models.registry import DEFAULT_ARCH, get_arch
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.runtime import RUNTIME_FIELDS, Runtime
 from lwm_jax.precision import parse_policy
@@ -128,12 +129,15 @@ class MeshSection:
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole training run. name: run name (default run dir `runs/<name>`); run_dir: null =
-    `runs/<name>` relative to the working directory; precision: a `parse_policy` string."""
+    `runs/<name>` relative to the working directory; precision: a `parse_policy` string;
+    arch: the model family (`lwm_jax.models.registry.ARCHS`), which decides the `model` type
+    (a `ModelConfig` for rwkv7, a `LlamaConfig` for llama)."""
 
     name: str = "tiny"
     run_dir: str | None = None
     precision: str = "fp32"
-    model: ModelConfig = TINY_MODEL
+    arch: str = DEFAULT_ARCH
+    model: Any = TINY_MODEL
     runtime: Runtime = Runtime()
     train: TrainSection = TrainSection()
     data: DataSection = DataSection()
@@ -151,7 +155,8 @@ class RunConfig:
     def to_dict(self) -> dict[str, Any]:
         """Plain YAML-able dict (the inverse of `build_config`)."""
         out: dict[str, Any] = {"name": self.name, "run_dir": self.run_dir,
-                               "precision": self.precision, "model": self.model.to_dict()}
+                               "precision": self.precision, "arch": self.arch,
+                               "model": self.model.to_dict()}
         for sec in _SECTIONS:
             d = dataclasses.asdict(getattr(self, sec))
             out[sec] = {_yaml_key(k): list(v) if isinstance(v, tuple) else v for k, v in d.items()}
@@ -163,7 +168,7 @@ class RunConfig:
 
 _SECTIONS = {"runtime": Runtime, "train": TrainSection, "data": DataSection, "checkpoint": CheckpointSection,
              "mesh": MeshSection}
-_TOP_SCALARS = ("name", "run_dir", "precision")
+_TOP_SCALARS = ("name", "run_dir", "precision", "arch")
 
 
 def _yaml_key(field_name: str) -> str:
@@ -209,6 +214,25 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             _fail(key, f"expected a string, got {short(value)}")
         return value
     raise TypeError(f"{key}: unsupported field type {tp!r}")   # programming error, not user input
+
+
+def _coerce_fields(cls, raw: dict[str, Any], where: str) -> dict[str, Any]:
+    """`raw` with every value of a known field of dataclass `cls` checked/converted by
+    `_coerce`; a mapping given for a dataclass-typed field (e.g. `rope_scaling`) is coerced
+    field by field. Unknown keys pass through (the config's `from_dict` reports them)."""
+    hints = typing.get_type_hints(cls)
+    out = {}
+    for key, value in raw.items():
+        hint = hints.get(key)
+        inner = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)] or (
+            [hint] if dataclasses.is_dataclass(hint) else [])
+        if hint is None or (inner and not isinstance(value, dict)):
+            out[key] = value
+        elif inner:
+            out[key] = _coerce_fields(inner[0], value, f"{where}.{key}")
+        else:
+            out[key] = _coerce(f"{where}.{key}", value, hint)
+    return out
 
 
 def _build_section(cls, where: str, raw: Any):
@@ -301,14 +325,20 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
     hints = typing.get_type_hints(RunConfig)
     top = {k: _coerce(k, raw.get(k, base[k]), hints[k]) for k in _TOP_SCALARS}
     parse_policy(top["precision"])            # raises "precision: ..." on a bad string
+    arch = get_arch(top["arch"])              # raises "arch: ..." for an unknown family
     model_raw = raw.get("model", {})
     if not isinstance(model_raw, dict):
         _fail("model", f"expected a mapping of keys, got {short(model_raw)}")
     raw, model_raw = _move_legacy_runtime_keys(raw, model_raw)
-    model_hints = typing.get_type_hints(ModelConfig)      # typed here: messages stay short
-    model_raw = {k: _coerce(f"model.{k}", v, model_hints[k]) if k in model_hints else v
-                 for k, v in model_raw.items()}
-    model = ModelConfig.from_dict({**base["model"], **model_raw}, where="model")
+    model_cls = arch.config_cls
+    model_raw = _coerce_fields(model_cls, model_raw, "model")   # typed here: short messages
+    defaults = base["model"] if model_cls is ModelConfig else model_cls().to_dict()
+    try:
+        model = model_cls.from_dict({**defaults, **model_raw}, where="model")
+    except ValueError as err:         # say which family's keys these are
+        if "unknown key" not in str(err):
+            raise
+        raise ValueError(f"{err} (model keys of arch {arch.name})") from None
     sections = {}
     for sec, cls in _SECTIONS.items():
         given = raw.get(sec, {})

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from lwm_jax.loss_scale import DynamicLossScale, NoLossScale, all_finite
-from lwm_jax.models.rwkv7 import head_fn
+from lwm_jax.models.registry import loss_head
 from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
 from lwm_jax.train.optimizer import applied_updates
 from lwm_jax.train.sharding import activation_spec, replicated, tokens_sharding
@@ -66,7 +66,7 @@ def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: in
         if not with_grad:
             return cross_entropy(logits_BTV, targets_BT)
         return lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
-    x_BTC, fn, hp = model.features(inputs_BT), head_fn(model.policy), model.head_params()
+    x_BTC, fn, hp = model.features(inputs_BT), loss_head(model), model.head_params()
     if not with_grad:
         return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk)
     return fused_lm_loss(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,

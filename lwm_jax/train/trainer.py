@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.loss_scale import loss_scale_for
-from lwm_jax.models.rwkv7 import RWKV7, probe_model_fn
+from lwm_jax.models.registry import DEFAULT_ARCH, get_arch
 from lwm_jax.precision import parse_policy
 from lwm_jax.runtime import RUNTIME_FIELDS
 from lwm_jax.train import batches
@@ -96,8 +96,9 @@ def build_program(cfg: RunConfig) -> TrainProgram:
     mesh = make_mesh(sizes)
 
     # Model shapes (nothing allocated yet), optimizer, shardings.
-    build = lambda: RWKV7(cfg.model, policy, runtime=cfg.runtime, mesh=mesh,  # noqa: E731
-                          rngs=nnx.Rngs(t.seed))
+    model_cls = get_arch(cfg.arch).model_cls
+    build = lambda: model_cls(cfg.model, policy, runtime=cfg.runtime, mesh=mesh,  # noqa: E731
+                              rngs=nnx.Rngs(t.seed))
     abstract_model = nnx.eval_shape(build)
     graphdef, abstract_params, axes = split_model(abstract_model)
     tx = make_optimizer(t, abstract_params, axes)
@@ -282,6 +283,7 @@ def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> s
             f"skipped (parameters unchanged; last at step {bad_step})")
     try:
         inputs = tokens[0, :, :-1] if tokens.ndim == 3 else tokens[:, :-1]
+        probe_model_fn = get_arch(cfg.arch).probe_model_fn
         stats = tap_stats(probe_model_fn(cfg.model, policy, cfg.runtime), params, inputs)
         return f"{head}; {describe(stats, int(inputs.shape[1]))}"
     except Exception as err:   # the stop and its checkpoint matter more than the diagnosis
@@ -289,17 +291,17 @@ def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> s
 
 
 def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
-    """Refuse to resume a run dir whose checkpoints hold another model shape or precision
-    (the runtime may change between resumes; older saved configs kept its keys under
-    `model:`, which are ignored here)."""
+    """Refuse to resume a run dir whose checkpoints hold another model family, shape or
+    precision (the runtime may change between resumes; older saved configs kept its keys under
+    `model:`, which are ignored here, and have no `arch`, which means rwkv7)."""
     if not os.path.isfile(saved_path) or not os.path.isdir(cfg.checkpoint_dir):
         return
     saved = load_yaml_file(saved_path) or {}
     if not isinstance(saved, dict):
         raise ValueError(f"{saved_path}: expected a mapping of config sections; fix or remove it")
     new = cfg.to_dict()
-    for key in ("model", "precision"):
-        old_value = saved.get(key)
+    for key in ("arch", "model", "precision"):
+        old_value = saved.get(key, DEFAULT_ARCH if key == "arch" else None)
         if key == "model" and isinstance(old_value, dict):
             old_value = {k: v for k, v in old_value.items() if k not in RUNTIME_FIELDS}
         if old_value is not None and old_value != new[key]:

@@ -39,6 +39,9 @@ def test_every_shipped_config_loads(binidx_prefix):
         "rwkv7-0.4b": (24, 1024, 65536, (64, 64, 64, 160)),
         "rwkv7-1.5b": (24, 2048, 65536, (96, 96, 64, 256)),
         "rwkv7-2.9b": (32, 2560, 65536, (128, 128, 96, 256)),
+        "llama-tiny": (4, 256, 256, None),
+        "llama-0.1b": (12, 768, 65536, None),
+        "llama-1b": (16, 2048, 128256, None),
     }
     assert sorted(os.path.basename(p)[:-5] for p in CONFIGS) == sorted(expected)
     for path in CONFIGS:
@@ -93,8 +96,8 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                       "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, "
                       "loss_chunk, lr, max_consecutive_skips, min_lr, seed, steps, "
                       "warmup_steps, weight_decay"),
-    (["foo=1"], "foo: unknown key; valid keys: checkpoint, data, mesh, model, name, precision, "
-                "run_dir, runtime, train"),
+    (["foo=1"], "foo: unknown key; valid keys: arch, checkpoint, data, mesh, model, name, "
+                "precision, run_dir, runtime, train"),
     (["runtime.wkv_impl=fast"], "runtime.wkv_impl: 'fast' is not one of ('auto', 'pallas', "
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
