@@ -2,7 +2,8 @@
 
 Formats (`format=` argument; detected from the path when None):
   "rwkv-pth"  official RWKV-LM `.pth` file (bf16 as released; read with safe unpickling)
-  "hf"        FLA / Hugging Face directory: `config.json` + `*.safetensors`
+  "hf"        FLA / Hugging Face directory: `config.json` + `*.safetensors` (RWKV-7 from FLA;
+              `model_type: "llama"` is read as a LLaMA model, `lwm_jax.interop.hf_llama`)
   "lwm"       our directory: `config.yaml` + orbax `params/` (what `convert` writes)
   "run"       a training run directory (`lwm_jax.train.checkpoint`): latest step's params
 """
@@ -13,7 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from lwm_jax.models.rwkv7.config import ModelConfig
-from lwm_jax.interop import hf, native, params, rwkv_pth
+from lwm_jax.interop import hf, hf_llama, native, params, rwkv_pth
+from lwm_jax.models.registry import DEFAULT_ARCH, arch_of_config
 from lwm_jax.precision import Policy
 from lwm_jax.runtime import RUNTIME_FIELDS, Runtime
 from lwm_jax.user_input import check_output_dir, check_output_file
@@ -45,7 +47,8 @@ def detect_format(path: str | os.PathLike) -> str:
 
 
 def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[ModelConfig, dict]:
-    """Read any supported checkpoint -> `(ModelConfig, params tree of float32 NumPy arrays)`.
+    """Read any supported checkpoint -> `(model config, params tree of float32 NumPy arrays)`;
+    the config is a `ModelConfig` (RWKV-7) or a `LlamaConfig`, as the checkpoint says.
 
     Raises ValueError (one line naming the file, field or tensor) for an unknown format, a
     damaged file, a config that disagrees with the weights, and a tensor holding NaN/inf (a
@@ -57,7 +60,7 @@ def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[Mod
     if fmt == "rwkv-pth":
         return rwkv_pth.load_pth(path)
     if fmt == "hf":
-        return hf.read_hf(path)
+        return hf_llama.read_hf_llama(path) if hf_llama.is_llama(path) else hf.read_hf(path)
     if fmt == "lwm":
         return native.load_native(path)        # restore_params checks finiteness
     from lwm_jax.interop import run_ckpt
@@ -66,7 +69,7 @@ def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[Mod
 
 def load_pretrained(path: str | os.PathLike, format: str | None = None,
                     policy: Policy | str = "fp32", **runtime: Any):
-    """Load a checkpoint into an `RWKV7` model -> `(model, ModelConfig)`.
+    """Load a checkpoint into a model of its family (`RWKV7`, `Llama`) -> `(model, config)`.
 
     `runtime` may set `wkv_impl`, `chunk_size`, `remat`, `scan_layers` (a
     `lwm_jax.runtime.Runtime`; they do not change the weights; `model.runtime` holds them).
@@ -98,9 +101,11 @@ def _params_of(model_or_path, format: str | None) -> tuple[ModelConfig, dict]:
     if isinstance(model_or_path, (str, os.PathLike)):
         return read_params(model_or_path, format)
     cfg = getattr(model_or_path, "cfg", None)
-    if not isinstance(cfg, ModelConfig):
-        raise TypeError("export: model_or_dir must be an RWKV7 model (with .cfg) or a checkpoint "
-                        f"path, got {type(model_or_path).__name__}")
+    try:
+        arch_of_config(cfg)
+    except TypeError:
+        raise TypeError("export: model_or_dir must be a model (with .cfg) or a checkpoint "
+                        f"path, got {type(model_or_path).__name__}") from None
     return cfg, params.params_from_model(model_or_path)
 
 
@@ -129,6 +134,10 @@ def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
     else:
         check_output_dir(out, "output")
     cfg, tree = _params_of(model_or_dir, input_format)
+    arch = arch_of_config(cfg).name
+    if arch != DEFAULT_ARCH:
+        raise ValueError(f"format: {format!r} export is for RWKV-7 models; this is a {arch} "
+                         "model (lwm-jax convert writes it in our own format)")
     if format == "rwkv-pth":
         out.parent.mkdir(parents=True, exist_ok=True)
         rwkv_pth.save_pth(cfg, tree, out, dtype=dtype or "bf16")

@@ -16,7 +16,7 @@ Frequencies: `inv_frequencies(head_dim, theta, scaling)` returns the `D/2` rotat
 
 Angles: `cos(p * f)` in float32 loses everything at long positions if it is formed the obvious
 way: at p = 32768 the float32 product `p * f` is off by up to ulp(32768) / 2 = 2e-3 rad, and a
-bf16 table adds up to 2^-9 relative on top. Here the angle is never formed as a large float.
+bf16 table adds up to 2^-8 relative on top. Here the angle is never formed as a large float.
 Each frequency is stored as a 64-bit fixed-point phase step `G = frac(f / 2pi) * 2^64` (two
 uint32 words); the phase of position p is `p * G mod 2^64` in exact wrapping uint32
 arithmetic (whole turns drop out for free), its top 32 bits are rounded to the nearest quarter
