@@ -83,6 +83,7 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
     from lwm_jax.generate.engine import Generator
     from lwm_jax.generate.sampling import SamplingParams
     from lwm_jax.generate.state_io import check_state_target, load_state, save_state
+    from lwm_jax.models.registry import arch_of_model
     out = out or sys.stdout
     err = err or sys.stderr
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty,
@@ -93,6 +94,11 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
         raise ValueError(f"--load-state: {quote_path(args.load_state)}: no such file")
     text = _read_prompt(args)
     model, cfg, tok = load_model_and_tokenizer(args)
+    arch = arch_of_model(model).name
+    if (args.save_state or args.load_state) and arch != "rwkv7":
+        flag = "--save-state" if args.save_state else "--load-state"
+        raise ValueError(f"{flag}: only RWKV-7 models have a state file; this {arch} model "
+                         "decodes from a KV cache (leave the flag out)")
     ids = tok.encode(text)
     if not ids:
         raise ValueError("--prompt: empty after tokenization; give some text")

@@ -1,4 +1,12 @@
-"""RNN-mode text generation for RWKV-7: chunked prefill, then decoding in on-device blocks.
+"""Text generation: chunked prefill, then decoding in on-device blocks. RWKV-7 runs in RNN
+mode (its recurrent state); a LLaMA-style model runs on a KV cache (`lwm_jax.layers.attention`).
+
+State protocol: the model's `init_state(B)` (RWKV-7) or `init_state(B, max_len)` (a KV cache,
+sized for the call: the longest prompt plus `max_new_tokens`, rounded up to a power of two so
+that calls of similar lengths share compilations, at most the model's `max_seq_len`) gives a
+pytree whose every leaf has the layer axis first and the batch axis second;
+`model(tokens_BT, state=..., return_state=True)` consumes tokens and returns the new state.
+Everything below treats the state only through that protocol.
 
 How a batch of prompts of different lengths is run exactly (no padding ever enters the state):
 1. joint prefill: the first `P` tokens of every prompt, `P` = the largest multiple of
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import inspect
 from typing import Callable, Iterator, Sequence
 
 import jax
@@ -50,7 +59,7 @@ class GenerationResult:
 
     tokens: generated ids per row (stop token excluded).
     finish_reasons: per row, "stop" (a stop token was sampled) or "length" (max_new_tokens).
-    state: `RWKV7State` after each row's prompt and returned tokens.
+    state: `RWKV7State` (a `Llama`'s `KVCache`) after each row's prompt and returned tokens.
     logits: per row, float32 `[n_generated, V]` raw (pre-penalty) logits each returned token
       was drawn from, when `return_logits=True`; else None.
     """
@@ -173,7 +182,8 @@ class Generator:
     """Prefill + block-decode driver for one model.
 
     Args:
-      model: an `RWKV7` (its parameters are read now; later in-place changes are not seen).
+      model: an `RWKV7` or a `Llama` (its parameters are read now; later in-place changes are
+        not seen).
       prefill_chunk: tokens per prefill call (a multiple of the model's chunk size is best).
       decode_block: decode steps per compiled call (host round trip); more amortises the host
         better, but up to `decode_block - 1` steps of the last block may be wasted.
@@ -198,6 +208,8 @@ class Generator:
         self._step_graph = nnx.split(abstract_model(self.cfg, self.policy, step_rt),
                                      nnx.Param, ...)[0]
         self._init_state = model.init_state
+        self._sized_state = "max_len" in inspect.signature(model.init_state).parameters
+        self._max_len = getattr(self.cfg, "max_seq_len", None)
 
     # ------------------------------------------------------------------ driver
     def stream(self, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
@@ -222,7 +234,10 @@ class Generator:
         for i, p in enumerate(rows):
             prompt_BT[i, : len(p)] = p
         if initial_state is None:
-            state = self._init_state(B)
+            state = self._fresh_state(B, int(lens.max()) + max_new_tokens)
+        elif self._sized_state:
+            raise ValueError("initial_state: not supported for KV-cache (llama) models; "
+                             "prefill the prompt instead")
         else:   # a private float32 copy: the decode blocks donate (invalidate) their input state
             state = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True),
                                  broadcast_state(initial_state, B))
@@ -273,6 +288,18 @@ class Generator:
         logits_out = ([np.stack(k) if k else np.zeros((0, V), np.float32) for k in kept]
                       if return_logits else None)
         return GenerationResult(out, reasons, carry[0], logits_out)
+
+    def _fresh_state(self, batch: int, positions: int):
+        """Zero state for `batch` rows; a KV cache gets room for `positions` tokens (power of
+        two >= 64, at most `max_seq_len`; more than `max_seq_len` is a one-line ValueError)."""
+        if not self._sized_state:
+            return self._init_state(batch)
+        if self._max_len is not None and positions > self._max_len:
+            raise ValueError(f"max_new_tokens: the longest prompt plus max_new_tokens is "
+                             f"{positions} tokens, more than the model's max_seq_len="
+                             f"{self._max_len}; shorten the prompt or lower max_new_tokens")
+        size = max(64, 1 << (positions - 1).bit_length())
+        return self._init_state(batch, max_len=min(size, self._max_len or size))
 
     def generate(self, prompts, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),
