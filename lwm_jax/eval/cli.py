@@ -40,12 +40,17 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     from lwm_jax.eval.perplexity import evaluate_stream, load_stream
     from lwm_jax.eval.scoring import Scorer
     from lwm_jax.generate.cli import load_model_and_tokenizer
+    from lwm_jax.models.registry import arch_of_model
     out = out or sys.stdout
     if not args.data and not args.lambada:
         raise ValueError("eval: give --data (perplexity) and/or --lambada (last-word accuracy)")
     if args.output:
         check_output_file(args.output, "--output")
     model, cfg, tok = load_model_and_tokenizer(args)
+    arch = arch_of_model(model).name
+    if args.data and arch != "rwkv7":     # windows carry a recurrent state through the stream
+        raise ValueError(f"--data: stream perplexity is implemented for RWKV-7 models only; "
+                         f"this is a {arch} model (--lambada works)")
     scorer = Scorer(model)
     results: dict = {}
     if args.data:
