@@ -1,4 +1,5 @@
-"""Text generation with RWKV-7 in RNN mode (O(1) per token), sampling, state save/load.
+"""Text generation: RWKV-7 in RNN mode (O(1) per token) or a LLaMA-style model on a KV cache,
+sampling, state save/load (RWKV-7).
 
     gen = Generator(model)                       # compiles prefill + decode block once; reuse it
     result = gen.generate([[1, 2, 3], [4, 5]], max_new_tokens=50,

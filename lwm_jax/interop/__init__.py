@@ -1,6 +1,7 @@
 """Checkpoint interop: official RWKV-LM `.pth`, FLA / Hugging Face, and our orbax directories.
 
     model, cfg = load_pretrained("RWKV-x070-World-0.1B.pth")      # format detected
+    model, cfg = load_pretrained("Llama-3.2-1B/")                 # HF LlamaForCausalLM -> Llama
     convert("RWKV-x070-World-0.1B.pth", "ckpt/0.1b")              # -> config.yaml + params/
     export(model, "out.pth", format="rwkv-pth")                   # or format="hf", a directory
 """
