@@ -187,6 +187,10 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
             return None
         (inner,) = [a for a in args if a is not type(None)]
         return _coerce(key, value, inner)
+    if origin is tuple and len(args) == 2 and args[1] is Ellipsis:     # tuple[int, ...]
+        if not isinstance(value, (list, tuple)):
+            _fail(key, f"expected a list, got {short(value)}")
+        return tuple(_coerce(f"{key}[{i}]", v, args[0]) for i, v in enumerate(value))
     if origin is tuple:
         if not isinstance(value, (list, tuple)) or len(value) != len(args):
             _fail(key, f"expected a list of {len(args)} numbers, got {short(value)}")
