@@ -1,6 +1,6 @@
 """Typed run configuration for `lwm-jax train`: YAML file + dotted overrides -> `RunConfig`.
 
-A run config has a few top-level keys (`name`, `run_dir`, `precision`, `arch`) and six sections:
+A run config has a few top-level keys (`name`, `run_dir`, `precision`, `arch`) and seven sections:
 
 | section      | type              | what                                                        |
 |--------------|-------------------|-------------------------------------------------------------|
@@ -10,6 +10,7 @@ A run config has a few top-level keys (`name`, `run_dir`, `precision`, `arch`) a
 | `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
 | `checkpoint` | `CheckpointSection` | where/how often to save, how many to keep, async or not   |
 | `mesh`       | `MeshSection`     | device-mesh axis sizes (data, fsdp, tensor, sequence)       |
+| `logging`    | `LoggingSection`  | trackers (metrics.jsonl, TensorBoard, Weights & Biases)     |
 
 Every key a YAML file leaves out takes its built-in default, and the built-in defaults ARE the
 tiny run (`configs/tiny.yaml` mirrors them; a test keeps the two equal), so `lwm-jax train` with
@@ -64,6 +65,9 @@ class TrainSection:
     max_consecutive_skips: stop the run after this many optimizer steps in a row were skipped
       because the loss or a gradient was non-finite (their update is never applied; under
       fp16 loss scaling only skips at the minimum loss scale count). 0 = never stop.
+    profile_steps: `[start, stop]`: write a `jax.profiler` trace of optimizer steps
+      start..stop-1 (0-based; step 0 includes compilation) to `<run_dir>/profile/`
+      (`lwm_jax.train.profiling`); null = no trace.
     """
 
     lr: float = 3e-3
@@ -84,6 +88,7 @@ class TrainSection:
     log_every: int = 5
     loss_chunk: int = 4096
     max_consecutive_skips: int = 8
+    profile_steps: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,12 +102,18 @@ class DataSection:
     tokenizer: "byte", "world[:vocab_path]" or "hf:path/to/tokenizer.json"; it must match the
       tokenizer the binidx was written with (only its vocabulary size is used in training).
     val_fraction: fraction of documents held out for validation when `val_path` is null.
+    reset_at_document_boundary: restart the model's state at every document inside a training
+      window: segment ids from the end-of-document token (the tokenizer's `eod_id`, 0 for byte
+      and World) reset the RWKV-7 state and token shift, and confine Llama attention and RoPE
+      positions, so no document sees the one before it. False (default) trains as RWKV-LM
+      does: documents concatenated, separated by the EOD token, state flowing across it.
     """
 
     path: str | None = None
     val_path: str | None = None
     tokenizer: str = "byte"
     val_fraction: float = 0.05
+    reset_at_document_boundary: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +138,22 @@ class MeshSection:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoggingSection:
+    """Where training records go (`lwm_jax.train.trackers`); only process 0 writes.
+
+    trackers: any of `jsonl` (`metrics.jsonl`, which also draws `loss_curve.png`),
+      `tensorboard` (tensorboardX events in `<run_dir>/tb`; without tensorboardX the run says
+      so in one line and goes on), `wandb` (Weights & Biases; needs `wandb`;
+      `WANDB_MODE=offline` keeps it on disk in `<run_dir>/wandb/`).
+    wandb_project / wandb_entity: the W&B project, and entity (null = your default entity).
+    """
+
+    trackers: tuple[str, ...] = ("jsonl", "tensorboard")
+    wandb_project: str = "lwm-jax"
+    wandb_entity: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class RunConfig:
     """A whole training run. name: run name (default run dir `runs/<name>`); run_dir: null =
     `runs/<name>` relative to the working directory; precision: a `parse_policy` string;
@@ -143,6 +170,7 @@ class RunConfig:
     data: DataSection = DataSection()
     checkpoint: CheckpointSection = CheckpointSection()
     mesh: MeshSection = MeshSection()
+    logging: LoggingSection = LoggingSection()
 
     @property
     def resolved_run_dir(self) -> str:
@@ -167,7 +195,7 @@ class RunConfig:
 
 
 _SECTIONS = {"runtime": Runtime, "train": TrainSection, "data": DataSection, "checkpoint": CheckpointSection,
-             "mesh": MeshSection}
+             "mesh": MeshSection, "logging": LoggingSection}
 _TOP_SCALARS = ("name", "run_dir", "precision", "arch")
 
 
@@ -279,6 +307,12 @@ def _check_values(cfg: RunConfig) -> None:
     if t.warmup_steps > t.steps:
         _fail("train.warmup_steps", f"{t.warmup_steps} is larger than train.steps={t.steps}; "
                                     "lower train.warmup_steps or raise train.steps")
+    if t.profile_steps is not None:
+        start, stop = t.profile_steps
+        if not 0 <= start < stop <= t.steps:
+            _fail("train.profile_steps", f"[{start}, {stop}] must satisfy 0 <= start < stop <= "
+                                         f"train.steps={t.steps}, e.g. [10, 13]")
+    _check_trackers(cfg.logging.trackers)
     if t.min_lr > t.lr:
         _fail("train.min_lr", f"{t.min_lr} is larger than train.lr={t.lr}; lower train.min_lr too")
     for i, beta in enumerate(t.betas):
@@ -306,6 +340,15 @@ def _check_values(cfg: RunConfig) -> None:
         _fail("mesh", "at most one axis may be -1")
     if not cfg.name or "/" in cfg.name:
         _fail("name", f"must be a non-empty name without '/', got {short(cfg.name)}")
+
+
+def _check_trackers(names: tuple[str, ...]) -> None:
+    known = ("jsonl", "tensorboard", "wandb")        # lwm_jax.train.trackers.TRACKERS
+    for i, name in enumerate(names):
+        if name not in known:
+            _fail(f"logging.trackers[{i}]", f"{short(name)} is not one of {', '.join(known)}")
+        if name in names[:i]:
+            _fail(f"logging.trackers[{i}]", f"{name} is listed twice; list each tracker once")
 
 
 def binidx_prefix(path: str) -> str:

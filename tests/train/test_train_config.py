@@ -94,10 +94,18 @@ def test_run_name_defaults_to_file_stem(tmp_path):
 @pytest.mark.parametrize("overrides, message", [
     (["train.lrr=1"], "train.lrr: unknown key; valid keys: batch_size, betas, ctx_len, eps, "
                       "eval_batches, eval_every, grad_accum, grad_clip, l2wrap, log_every, "
-                      "loss_chunk, lr, max_consecutive_skips, min_lr, seed, steps, "
-                      "warmup_steps, weight_decay"),
-    (["foo=1"], "foo: unknown key; valid keys: arch, checkpoint, data, mesh, model, name, "
-                "precision, run_dir, runtime, train"),
+                      "loss_chunk, lr, max_consecutive_skips, min_lr, profile_steps, seed, "
+                      "steps, warmup_steps, weight_decay"),
+    (["foo=1"], "foo: unknown key; valid keys: arch, checkpoint, data, logging, mesh, model, "
+                "name, precision, run_dir, runtime, train"),
+    (["logging.trackers=[jsonl, mlflow]"],
+     "logging.trackers[1]: 'mlflow' is not one of jsonl, tensorboard, wandb"),
+    (["logging.trackers=[jsonl, jsonl]"],
+     "logging.trackers[1]: jsonl is listed twice; list each tracker once"),
+    (["train.profile_steps=[5, 5]"],
+     "train.profile_steps: [5, 5] must satisfy 0 <= start < stop <= train.steps=150"),
+    (["data.reset_at_document_boundary=1"],
+     "data.reset_at_document_boundary: expected true or false, got 1"),
     (["runtime.wkv_impl=fast"], "runtime.wkv_impl: 'fast' is not one of ('auto', 'pallas', "
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
