@@ -5,6 +5,7 @@ build and run a model without knowing which family it is.
 |---------|-------------------------------------------|-------------|---------------------------|
 | `rwkv7` | `lwm_jax.models.rwkv7.config.ModelConfig` | `RWKV7`     | `head_fn(policy)`         |
 | `llama` | `lwm_jax.models.llama.config.LlamaConfig` | `Llama`     | `head_fn(policy, rms_eps)` |
+| `rwkv7-hybrid` | `lwm_jax.models.hybrid.config.HybridConfig` | `RWKVHybrid` | `head_fn(policy)` |
 
 Every model class takes `(cfg, policy, *, runtime=None, mesh=None, rngs)` and offers
 `__call__(tokens_BT, state=None, return_state=False, segment_ids=None, probe=None)`,
@@ -56,6 +57,8 @@ ARCHS: dict[str, Arch] = {
                   "lwm_jax.models.rwkv7.model", "RWKV7"),
     "llama": Arch("llama", "lwm_jax.models.llama.config", "LlamaConfig",
                   "lwm_jax.models.llama.model", "Llama"),
+    "rwkv7-hybrid": Arch("rwkv7-hybrid", "lwm_jax.models.hybrid.config", "HybridConfig",
+                         "lwm_jax.models.hybrid.model", "RWKVHybrid"),
 }
 DEFAULT_ARCH = "rwkv7"
 

@@ -40,6 +40,7 @@ def test_every_shipped_config_loads(binidx_prefix):
         "rwkv7-1.5b": (24, 2048, 65536, (96, 96, 64, 256)),
         "rwkv7-2.9b": (32, 2560, 65536, (128, 128, 96, 256)),
         "llama-tiny": (4, 256, 256, None),
+        "rwkv7-hybrid-tiny": (4, 256, 256, None),
         "llama-0.1b": (12, 768, 65536, None),
         "llama-1b": (16, 2048, 128256, None),
     }
