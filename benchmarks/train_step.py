@@ -39,6 +39,10 @@ MODELS = {   # name: (config file, batch, ctx) — the throughput issue's shapes
     "0.1b": ("configs/rwkv7-0.1b.yaml", 8, 4096),
     "1.5b": ("configs/rwkv7-1.5b.yaml", 2, 4096),
     "tiny": ("configs/tiny.yaml", 2, 128),
+    "llama-0.1b": ("configs/llama-0.1b.yaml", 8, 4096),   # the transformer beside RWKV-7
+    "llama-1b": ("configs/llama-1b.yaml", 2, 4096),
+    "llama-tiny": ("configs/llama-tiny.yaml", 2, 128),
+    "hybrid-tiny": ("configs/rwkv7-hybrid-tiny.yaml", 2, 128),
 }
 PEAK_TFLOPS = 989.0
 FP32_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
@@ -87,8 +91,9 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
         times.append(time.perf_counter() - t0)
     if profile:
         from profile_summary import top_ops
-        os.makedirs(profile, exist_ok=True)
-        with jax.profiler.trace(profile, create_perfetto_trace=True):
+
+        from lwm_jax.train.profiling import trace
+        with trace(profile):          # the helper `train.profile_steps` uses
             for i in range(3):
                 state, metrics = compiled(state, batches[i % 4])
                 jax.block_until_ready(metrics)

@@ -1,8 +1,11 @@
 """Grouped-query attention through `jax.nn.dot_product_attention`, and its KV cache.
 
-Every call goes through `jax.nn.dot_product_attention` with `implementation=None`: JAX picks
-the implementation (in jax 0.10 / 0.11 that is always its XLA form; selecting cuDNN's fused
-kernel automatically is a TODO in JAX itself). Its XLA form takes the query-key products with
+Every call goes through `jax.nn.dot_product_attention`. On a GPU, causal attention of 16-bit
+inputs without an explicit mask (training and scoring of unpacked rows) asks for cuDNN's fused
+flash-attention kernel (`implementation="cudnn"`: no `[T, S]` scores in memory, fp32 softmax
+statistics inside the kernel); everything else (CPU, TPU, float32 inputs, packed-document and
+cache masks) takes `implementation=None`, which in jax 0.10 / 0.11 is always the XLA form.
+The XLA form takes the query-key products with
 float32 accumulation and float32 output for 16-bit inputs, and the softmax in float32 (tested in
 tests/layers/test_attention.py); the probabilities are then cast to the value dtype for the
 second product. The matmul precision of float32 inputs is set for the call with
@@ -75,7 +78,18 @@ def attend(q_BTHD, k_BSKD, v_BSKD, *, precision: str, mask=None, is_causal: bool
     dtype = q_BTHD.dtype
     with jax.default_matmul_precision(precision):
         return jax.nn.dot_product_attention(q_BTHD, k_BSKD.astype(dtype), v_BSKD.astype(dtype),
-                                            mask=mask, is_causal=is_causal, implementation=None)
+                                            mask=mask, is_causal=is_causal,
+                                            implementation=_implementation(q_BTHD, mask))
+
+
+def _implementation(q_BTHD, mask):
+    """"cudnn" for 16-bit attention without an explicit mask on a GPU (head_dim a multiple of
+    8, at most 128: what cuDNN's fused kernel takes); None (JAX's choice: XLA) otherwise."""
+    D = q_BTHD.shape[-1]
+    if (jax.default_backend() != "gpu" or mask is not None or D > 128 or D % 8
+            or jnp.dtype(q_BTHD.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
+        return None
+    return "cudnn"
 
 
 def self_attention(q_BTHD, k_BTKD, v_BTKD, *, precision: str, segment_ids_BT=None):
