@@ -63,6 +63,13 @@ class _DropFullDiskTracebacks(logging.Filter):
 logging.getLogger("absl").addFilter(_DropFullDiskTracebacks())
 
 
+def checkpoint_location(directory: str) -> str:
+    """Where orbax writes: a local path made absolute, or a URL (`gs://bucket/path`, which orbax
+    and tensorstore write directly; `os.path.abspath` would turn it into the local directory
+    `<cwd>/gs:/bucket/path`) unchanged."""
+    return directory if "://" in directory else os.path.abspath(directory)
+
+
 class Checkpointer:
     """Save / restore `(TrainState, sampler state)` pairs under one directory.
 
@@ -72,7 +79,7 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, cfg: CheckpointSection):
-        self.directory = os.path.abspath(directory)
+        self.directory = checkpoint_location(directory)
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_,
             cleanup_tmp_directories=False)
