@@ -151,7 +151,21 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="score only the first N tokens (default: all)")
     p.add_argument("--max-examples", type=int, default=None,
                    help="LAMBADA examples to use (default: all)")
-    p.add_argument("--batch-size", type=int, default=8, help="LAMBADA batch size")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="rows per scoring call (--lambada, --tasks)")
+    p.add_argument("--tasks", help="comma-separated lm-eval tasks, e.g. lambada_openai,piqa,"
+                                   "hellaswag,arc_easy,mmlu (needs pip install 'lwm_jax[eval]')")
+    p.add_argument("--num-fewshot", type=int, default=None,
+                   help="--tasks: few-shot examples per prompt (default: each task's own)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="--tasks: only the first N examples of each task (default: all)")
+    p.add_argument("--include-path", default=None,
+                   help="--tasks: directory of extra lm-eval task YAML files")
+    p.add_argument("--prefix", default="eod", choices=("eod", "newline", "none"),
+                   help="--tasks: tokens before every context: the end-of-document id, the "
+                        "tokens of '\\n' (BlinkDL's RWKV evaluations) or none")
+    p.add_argument("--bootstrap-iters", type=int, default=100000,
+                   help="--tasks: bootstrap resamples for standard errors (0 = skip them)")
     p.add_argument("--output", help="also write the results (the JSON printed) to this file")
     return p
 
@@ -167,8 +181,8 @@ COMMANDS = (
      "lwm_jax.interop.cli", "export_main", add_export_args),
     ("generate", "sample text from a checkpoint (RNN-mode decoding)", "lwm_jax.generate.cli",
      "generate_main", add_generate_args),
-    ("eval", "perplexity / bits-per-byte and LAMBADA-style accuracy", "lwm_jax.eval.cli",
-     "eval_main", add_eval_args),
+    ("eval", "perplexity / bits-per-byte, LAMBADA-style accuracy, lm-eval tasks",
+     "lwm_jax.eval.cli", "eval_main", add_eval_args),
 )
 DESCRIPTIONS = {
     "train": "Train an RWKV-7 model. With no --config: the tiny byte-level model on the built-in "

@@ -1,23 +1,28 @@
-"""`lwm-jax eval`: perplexity / bits-per-byte of a text or binidx file, LAMBADA-style accuracy.
+"""`lwm-jax eval`: perplexity / bits-per-byte of a text or binidx file, LAMBADA-style accuracy,
+and lm-evaluation-harness tasks.
 
     lwm-jax eval --checkpoint DIR --data corpus.txt [--ctx-len 1024] [--max-tokens N]
     lwm-jax eval --checkpoint DIR --data data/minipile_text_document      # binidx prefix
     lwm-jax eval --checkpoint DIR --lambada lambada_test.jsonl [--max-examples N]
+    lwm-jax eval --checkpoint DIR --tasks lambada_openai,piqa [--num-fewshot 0] [--limit N]
 
-Prints ONE JSON object `{"perplexity": {...}, "lambada": {...}}` (the tasks run) to stdout, and
-writes the identical text to `--output FILE` when given. A NaN/inf result is not printed: it is
-a one-line `NonFiniteError` (exit status 3), since a NaN loss means a broken model or precision.
-Arguments: `lwm_jax.cli_args.add_eval_args`.
+Prints ONE JSON object `{"perplexity": {...}, "lambada": {...}, "lm_eval": {...}}` (the
+evaluations run) to stdout, and writes the identical text to `--output FILE` when given. A
+NaN/inf result is not printed: it is a one-line `NonFiniteError` (exit status 3), since a NaN
+loss means a broken model or precision. `--tasks` needs `lm_eval` (`pip install
+'lwm_jax[eval]'`; `lwm_jax.eval.lm_eval_adapter`); `--ctx-len` is then the scoring window
+and `--batch-size` the rows per call. Arguments: `lwm_jax.cli_args.add_eval_args`.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import math
+import os
 import sys
 
 from lwm_jax.cli_args import add_eval_args  # re-exported (API)
-from lwm_jax.user_input import NonFiniteError, check_output_file, write_text
+from lwm_jax.user_input import NonFiniteError, check_output_file, quote_path, write_text
 
 
 def _check_finite(task: str, data: str, metrics: dict) -> None:
@@ -42,8 +47,15 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     from lwm_jax.generate.cli import load_model_and_tokenizer
     from lwm_jax.models.registry import arch_of_model
     out = out or sys.stdout
-    if not args.data and not args.lambada:
-        raise ValueError("eval: give --data (perplexity) and/or --lambada (last-word accuracy)")
+    tasks = getattr(args, "tasks", None)
+    if not args.data and not args.lambada and not tasks:
+        raise ValueError("eval: give --data (perplexity), --lambada (last-word accuracy) and/or "
+                         "--tasks (lm-eval tasks)")
+    if tasks:       # before the model is loaded: a missing lm_eval or a bad task name is cheap
+        from lwm_jax.eval.lm_eval_adapter import check_task_names, task_manager  # ImportError
+        _check_task_options(args)
+        manager = task_manager(args.include_path, tasks.split(","))
+        names = check_task_names(tasks.split(","), manager)
     if args.output:
         check_output_file(args.output, "--output")
     model, cfg, tok = load_model_and_tokenizer(args)
@@ -66,12 +78,40 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
         metrics = res.to_dict()
         _check_finite("lambada", args.lambada, metrics)
         results["lambada"] = {"data": args.lambada, **metrics}
+    if tasks:
+        results["lm_eval"] = _run_lm_eval(args, model, tok, manager, names)
     text = json.dumps(results, indent=2, allow_nan=False) + "\n"
     out.write(text)
     out.flush()
     if args.output:
         write_text(args.output, text)
     return results
+
+
+def _check_task_options(args: argparse.Namespace) -> None:
+    checks = (("--num-fewshot", args.num_fewshot, 0), ("--limit", args.limit, 1),
+              ("--batch-size", args.batch_size, 1), ("--ctx-len", args.ctx_len, 1),
+              ("--bootstrap-iters", args.bootstrap_iters, 0))
+    for flag, value, low in checks:
+        if value is not None and value < low:
+            raise ValueError(f"{flag}: must be >= {low}, got {value}")
+    if args.include_path and not os.path.isdir(args.include_path):
+        raise ValueError(f"--include-path: {quote_path(args.include_path)} is not a directory "
+                         "of task YAML files")
+
+
+def _run_lm_eval(args: argparse.Namespace, model, tok, manager, names: list[str]) -> dict:
+    """lm-eval's results for `--tasks`, checked finite (standard errors may be None)."""
+    from lwm_jax.eval.harness import HarnessModel
+    from lwm_jax.eval.lm_eval_adapter import run_tasks
+    harness = HarnessModel(model, tok, batch_size=args.batch_size, window=args.ctx_len,
+                           prefix=args.prefix)
+    out = run_tasks(harness, names, num_fewshot=args.num_fewshot, limit=args.limit,
+                    bootstrap_iters=args.bootstrap_iters, manager=manager)
+    for task, metrics in out["results"].items():
+        _check_finite(task, ",".join(names),
+                      {k: v for k, v in metrics.items() if "_stderr" not in k})
+    return {"tasks": names, "prefix": args.prefix, "limit": args.limit, **out}
 
 
 def main(argv=None) -> None:

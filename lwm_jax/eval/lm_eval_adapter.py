@@ -1,0 +1,131 @@
+"""lm-evaluation-harness (`lm_eval`, an optional dependency: `pip install 'lwm_jax[eval]'`) on
+our models: `LwmLM` implements lm-eval's `LM` interface over a `HarnessModel`, and `run_tasks`
+runs named tasks (`lambada_openai`, `piqa`, `hellaswag`, `arc_easy`, `mmlu`, ... or local task
+YAML files) through `lm_eval.simple_evaluate`.
+
+    from lwm_jax.eval.lm_eval_adapter import run_tasks
+    out = run_tasks(HarnessModel(model, tok), ["lambada_openai", "piqa"])
+    out["results"]["piqa"]["acc,none"]
+
+This module imports `lm_eval` when it is imported; without it the import is a one-line
+ImportError naming the install command.
+"""
+from __future__ import annotations
+
+import difflib
+import math
+from typing import Sequence
+
+from lwm_jax.eval.harness import HarnessModel
+from lwm_jax.user_input import one_line
+
+INSTALL_HINT = "lm-eval tasks need the lm_eval package: pip install 'lwm_jax[eval]'"
+try:
+    from lm_eval.api.model import LM
+except ImportError:
+    raise ImportError(INSTALL_HINT) from None
+
+# Errors raised while lm-eval fetches a task's data (offline, unknown dataset, hub down):
+# reported as one line about the task data rather than as a crash.
+_DATA_ERROR_MODULES = ("datasets", "huggingface_hub", "requests", "httpx", "httpx2", "fsspec",
+                       "aiohttp", "urllib3")
+
+
+class LwmLM(LM):
+    """lm-eval `LM` whose requests are answered by a `HarnessModel` (batched, in our JAX
+    models). Results are also handed to lm-eval's cache hook (`use_cache`)."""
+
+    def __init__(self, harness: HarnessModel):
+        super().__init__()
+        self.harness = harness
+
+    @property
+    def tokenizer_name(self) -> str:
+        return self.harness.tokenizer.name
+
+    def _answer(self, kind: str, requests, results):
+        for req, res in zip(requests, results):
+            self.cache_hook.add_partial(kind, req.args, res)
+        return results
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        args = [tuple(req.args) for req in requests]
+        return self._answer("loglikelihood", requests, self.harness.loglikelihood(args))
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        args = [req.args[0] for req in requests]
+        return self._answer("loglikelihood_rolling", requests,
+                            self.harness.loglikelihood_rolling(args))
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        args = [tuple(req.args) for req in requests]
+        return self._answer("generate_until", requests, self.harness.generate_until(args))
+
+
+def task_manager(include_path=None, names: Sequence[str] | None = None):
+    """lm-eval's `TaskManager` over its built-in tasks and the task YAML files under
+    `include_path` (a directory or a list of them). When every one of `names` is a plain task
+    (not a group or tag) defined under `include_path`, only those files are indexed: indexing
+    lm-eval's ~15k built-in task files takes seconds."""
+    from lm_eval.tasks import TaskManager
+    if include_path and names:
+        local = TaskManager(include_path=include_path, include_defaults=False)
+        plain = set(getattr(local, "all_subtasks", ()))
+        if all(n.strip() in plain for n in names if n.strip()):
+            return local
+    return TaskManager(include_path=include_path)
+
+
+def check_task_names(names: Sequence[str], manager) -> list[str]:
+    """The names, stripped, each known to `manager`; ValueError (one line, with the closest
+    known names) otherwise."""
+    names = [n.strip() for n in names if n.strip()]
+    if not names:
+        raise ValueError("--tasks: no task named; give e.g. --tasks lambada_openai,piqa")
+    known = set(manager.all_tasks)
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else \
+                "; see `lm_eval --tasks list` or add --include-path DIR for your own YAML tasks"
+            raise ValueError(f"--tasks: {name!r} is not an lm-eval task{hint}")
+    return names
+
+
+def _finite_or_none(value):
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+def run_tasks(harness: HarnessModel, tasks: Sequence[str], *, num_fewshot: int | None = None,
+              limit: int | None = None, include_path=None, bootstrap_iters: int = 100000,
+              manager=None) -> dict:
+    """Run lm-eval `tasks` on `harness` -> `{"results": {task: {metric: value}}, "n_shot":
+    {task: n}, "versions": {task: v}, "n_truncated": int}`.
+
+    Metric values stay as lm-eval computes them, except that a non-finite standard error
+    (e.g. one example) becomes None. Raises ValueError (one line) for an unknown task, a bad
+    `num_fewshot` / `limit`, and when a task's data cannot be loaded (offline, say).
+    """
+    import lm_eval
+    if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
+        raise ValueError(f"--num-fewshot: must be an integer >= 0, got {num_fewshot!r}")
+    if limit is not None and (not isinstance(limit, int) or limit < 1):
+        raise ValueError(f"--limit: must be an integer >= 1, got {limit!r}")
+    manager = manager or task_manager(include_path, tasks)
+    names = check_task_names(tasks, manager)
+    try:
+        out = lm_eval.simple_evaluate(model=LwmLM(harness), tasks=names, num_fewshot=num_fewshot,
+                                      limit=limit, task_manager=manager, log_samples=False,
+                                      bootstrap_iters=bootstrap_iters)
+    except Exception as err:   # noqa: BLE001 -- only data-loading failures are rephrased
+        if type(err).__module__.split(".")[0] not in _DATA_ERROR_MODULES and \
+                not isinstance(err, ConnectionError):
+            raise
+        raise ValueError(f"--tasks: the task data could not be loaded ({one_line(str(err), 200)}"
+                         "); lm-eval fetches datasets from the Hugging Face Hub: run once online "
+                         "(the cache is reused offline) or use local task YAML files "
+                         "(--include-path)") from None
+    results = {task: {k: _finite_or_none(v) if "_stderr" in k else v for k, v in metrics.items()}
+               for task, metrics in out["results"].items()}
+    return {"results": results, "n_shot": dict(out.get("n-shot", {})),
+            "versions": dict(out.get("versions", {})), "n_truncated": harness.n_truncated}

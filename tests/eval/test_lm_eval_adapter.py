@@ -1,0 +1,126 @@
+"""lm-eval on our models, offline: the `LM` methods answer `Instance`s as `HarnessModel` does,
+and local tasks (YAML + JSONL, no hub access) run through `simple_evaluate` and `lwm-jax eval
+--tasks` with accuracies equal to those computed from our own scores."""
+from __future__ import annotations
+
+import argparse
+import io
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("lm_eval")
+
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from lwm_jax.eval import add_eval_args, eval_main  # noqa: E402
+from lwm_jax.eval.harness import HarnessModel  # noqa: E402
+from lwm_jax.eval.lm_eval_adapter import LwmLM, run_tasks, task_manager  # noqa: E402
+from lwm_jax.interop.native import save_native  # noqa: E402
+from lwm_jax.interop.params import model_from_params  # noqa: E402
+from lwm_jax.interop.testing import random_params  # noqa: E402
+from lwm_jax.models.rwkv7.config import ModelConfig  # noqa: E402
+from lwm_jax.runtime import Runtime  # noqa: E402
+from lwm_jax.tokenizers import ByteTokenizer  # noqa: E402
+
+CFG = ModelConfig(vocab_size=256, n_layer=2, n_embd=64, head_size=32, decay_lora=16, a_lora=16,
+                  v_lora=16, gate_lora=32).resolved()
+TOK = ByteTokenizer()
+QUESTIONS = [{"question": f"Question {i}: which word fits here?", "choices": [" red", " green",
+              " blue sky"], "label": i % 3} for i in range(5)]
+CLOZE = [{"text": f"Story {i} ends with the word", "target": [" end", " dog", " tree"][i % 3]}
+         for i in range(4)]
+
+
+@pytest.fixture(scope="module")
+def tree():
+    return random_params(CFG, seed=7, scale=0.5)
+
+
+@pytest.fixture(scope="module")
+def harness(tree):
+    model = model_from_params(CFG, tree, "fp32", Runtime(wkv_impl="recurrent"))
+    return HarnessModel(model, TOK, batch_size=4, window=16, granule=8)
+
+
+@pytest.fixture(scope="module")
+def task_dir(tmp_path_factory):
+    """Two local tasks: multiple choice (acc, acc_norm) and LAMBADA-style cloze (acc, ppl)."""
+    root = tmp_path_factory.mktemp("tasks")
+    cache = root / "hf_cache"
+    for name, rows in (("mc", QUESTIONS), ("cloze", CLOZE)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {{path}}\n"
+              f"  cache_dir: {cache}\ntest_split: test\n")
+    (root / "tiny_mc.yaml").write_text(
+        "task: tiny_mc\n" + common.format(path=root / "mc.jsonl") +
+        "output_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\ntarget_delimiter: ''\n"
+        "metric_list:\n  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    (root / "tiny_cloze.yaml").write_text(
+        "task: tiny_cloze\n" + common.format(path=root / "cloze.jsonl") +
+        "output_type: loglikelihood\ndoc_to_text: '{{text}}'\ndoc_to_target: '{{target}}'\n"
+        "target_delimiter: ''\nmetric_list:\n"
+        "  - metric: perplexity\n    aggregation: perplexity\n    higher_is_better: false\n"
+        "  - metric: acc\n    aggregation: mean\n    higher_is_better: true\n")
+    return root
+
+
+def expected(harness):
+    """Accuracies and cloze perplexity from HarnessModel's own scores."""
+    mc = harness.loglikelihood([(q["question"], c) for q in QUESTIONS for c in q["choices"]])
+    lp = np.array([s for s, _ in mc]).reshape(len(QUESTIONS), 3)
+    acc_mc = float(np.mean(lp.argmax(1) == [q["label"] for q in QUESTIONS]))
+    cloze = harness.loglikelihood([(d["text"], d["target"]) for d in CLOZE])
+    acc_cloze = float(np.mean([greedy for _, greedy in cloze]))
+    ppl = float(np.exp(-np.mean([s for s, _ in cloze])))
+    return acc_mc, acc_cloze, ppl
+
+
+def test_lm_methods_answer_instances_like_the_harness(harness):
+    lm = LwmLM(harness)
+    pairs = [("The sky is", " blue"), ("The sky is", " green"), ("", "Hello")]
+    reqs = [Instance("loglikelihood", {}, p, i) for i, p in enumerate(pairs)]
+    assert lm.loglikelihood(reqs) == harness.loglikelihood(pairs)
+    texts = ["A whole document to score.", "Another."]
+    rolling = [Instance("loglikelihood_rolling", {}, (t,), i) for i, t in enumerate(texts)]
+    assert lm.loglikelihood_rolling(rolling) == harness.loglikelihood_rolling(texts)
+    gen = [("Once", {"until": ["\n"], "max_gen_toks": 8})]
+    assert lm.generate_until([Instance("generate_until", {}, gen[0], 0)]) == \
+        harness.generate_until(gen)
+
+
+def test_local_tasks_through_simple_evaluate(harness, task_dir):
+    manager = task_manager(str(task_dir), ["tiny_mc", "tiny_cloze"])
+    assert "piqa" not in manager.all_tasks          # only the local files were indexed
+    out = run_tasks(harness, ["tiny_mc", "tiny_cloze"], manager=manager, bootstrap_iters=0)
+    acc_mc, acc_cloze, ppl = expected(harness)
+    res = out["results"]
+    assert res["tiny_mc"]["acc,none"] == pytest.approx(acc_mc, abs=1e-12)
+    assert res["tiny_cloze"]["acc,none"] == pytest.approx(acc_cloze, abs=1e-12)
+    assert res["tiny_cloze"]["perplexity,none"] == pytest.approx(ppl, rel=1e-9)
+    assert out["n_shot"] == {"tiny_mc": 0, "tiny_cloze": 0} and out["n_truncated"] == 0
+    with pytest.raises(ValueError, match=r"'tiny_mcq' is not an lm-eval task; did you mean tiny_mc"):
+        run_tasks(harness, ["tiny_mcq"], manager=manager)
+
+
+def test_cli_tasks_end_to_end(harness, tree, task_dir, tmp_path):
+    save_native(CFG, tree, tmp_path / "ckpt")
+    args = add_eval_args(argparse.ArgumentParser()).parse_args(
+        ["--checkpoint", str(tmp_path / "ckpt"), "--tasks", "tiny_mc,tiny_cloze",
+         "--include-path", str(task_dir), "--ctx-len", "16", "--batch-size", "4",
+         "--limit", "3", "--bootstrap-iters", "0", "--output", str(tmp_path / "r.json")])
+    out = io.StringIO()
+    results = eval_main(args, out=out)
+    assert json.loads(out.getvalue()) == results == json.loads((tmp_path / "r.json").read_text())
+    lm = results["lm_eval"]
+    assert lm["tasks"] == ["tiny_mc", "tiny_cloze"] and lm["prefix"] == "eod"
+    assert lm["results"]["tiny_mc"]["sample_len"] == 3           # --limit
+    lp = np.array([s for s, _ in harness.loglikelihood(
+        [(q["question"], c) for q in QUESTIONS[:3] for c in q["choices"]])]).reshape(3, 3)
+    want = float(np.mean(lp.argmax(1) == [q["label"] for q in QUESTIONS[:3]]))
+    assert lm["results"]["tiny_mc"]["acc,none"] == pytest.approx(want, abs=1e-12)
+    with pytest.raises(ValueError, match="--limit: must be >= 1, got 0"):
+        eval_main(add_eval_args(argparse.ArgumentParser()).parse_args(
+            ["--checkpoint", str(tmp_path / "ckpt"), "--tasks", "tiny_mc", "--limit", "0"]))
