@@ -468,10 +468,6 @@ def test_worker_sh_start_status_tail_stop(tmp_path):
     assert wait_for(tmp_path, job, "exited").split()[3] == "143"
     assert "saved" in (tmp_path / job / "train.log").read_text()
     assert worker(tmp_path, "status", "lwm_jobs/never")[1].endswith(" none")
-    (tmp_path / "lwm_venv").mkdir()
-    (tmp_path / "lwm_venv" / ".lwm_setup").write_text("src.tar.gz 3.12 jax[tpu]\n")
-    assert worker(tmp_path, "setup", "src.tar.gz", "3.12", "jax[tpu]")[1].endswith(
-        "already installed: src.tar.gz")                        # a rerun installs nothing
     (tmp_path / job / "run_dir").write_text("runs/x\n")
     assert worker(tmp_path, "tail", job, "metrics", "3")[1].endswith(
         "(no runs/x/metrics.jsonl here)")
