@@ -6,18 +6,24 @@ Formats (`format=` argument; detected from the path when None):
               `model_type: "llama"` is read as a LLaMA model, `lwm_jax.interop.hf_llama`)
   "lwm"       our directory: `config.yaml` + orbax `params/` (what `convert` writes)
   "run"       a training run directory (`lwm_jax.train.checkpoint`): latest step's params
+A string that is no local path but a Hugging Face Hub name ("RWKV/<repo>", or
+"<owner>/<repo>/<file>.pth") is downloaded into the Hugging Face cache first
+(`lwm_jax.interop.hub`; needs `huggingface_hub`; `HF_HUB_OFFLINE=1` uses the cache only).
 """
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 from lwm_jax.models.rwkv7.config import ModelConfig
-from lwm_jax.interop import hf, hf_llama, native, params, rwkv_pth
+from lwm_jax.interop import hf, hf_llama, hub, native, params, rwkv_pth
 from lwm_jax.models.registry import DEFAULT_ARCH, arch_of_config
 from lwm_jax.precision import Policy
 from lwm_jax.runtime import RUNTIME_FIELDS, Runtime
+from lwm_jax.tokenizers import get_tokenizer
+from lwm_jax.tokenizers.world import WORLD_VOCAB_SIZE
 from lwm_jax.user_input import check_output_dir, check_output_file
 
 FORMATS = ("rwkv-pth", "hf", "lwm", "run")
@@ -52,8 +58,11 @@ def read_params(path: str | os.PathLike, format: str | None = None) -> tuple[Mod
 
     Raises ValueError (one line naming the file, field or tensor) for an unknown format, a
     damaged file, a config that disagrees with the weights, and a tensor holding NaN/inf (a
-    checkpoint is never loaded with non-finite weights); ImportError for a .pth without torch.
+    checkpoint is never loaded with non-finite weights); ImportError for a .pth without torch,
+    and for a Hub name without `huggingface_hub`.
     """
+    if hub.is_hub_name(path):
+        path = hub.resolve(path)
     fmt = format or detect_format(path)
     if fmt not in FORMATS:
         raise ValueError(f"format: {fmt!r} is not one of {FORMATS}")
@@ -109,19 +118,39 @@ def _params_of(model_or_path, format: str | None) -> tuple[ModelConfig, dict]:
     return cfg, params.params_from_model(model_or_path)
 
 
+def _export_tokenizer(tokenizer, cfg):
+    """The tokenizer whose files an HF export gets: "auto" = World for a 65536-id model (None,
+    with a warning, when no World vocabulary is installed; None for other sizes), None = none,
+    a spec string (`lwm_jax.tokenizers.get_tokenizer`) or a tokenizer object."""
+    if tokenizer == "auto":
+        if cfg.vocab_size != WORLD_VOCAB_SIZE:
+            return None
+        try:
+            return get_tokenizer("world")
+        except FileNotFoundError as err:
+            warnings.warn(f"export: no tokenizer files written ({err})", stacklevel=3)
+            return None
+    return get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+
+
 def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
            dtype: str | None = None, input_format: str | None = None,
-           max_shard_bytes: int | None = None) -> Path:
+           max_shard_bytes: int | None = None, tokenizer="auto") -> Path:
     """Write a model (or any readable checkpoint) in an external layout.
 
     format "rwkv-pth": `output` is the `.pth` file; dtype "bf16" (default, as released) or "f32".
     format "hf": `output` is a directory; dtype "f32" (default) or "bf16"; `max_shard_bytes`
-    splits the weights into shards with a `model.safetensors.index.json`.
+    splits the weights into shards with a `model.safetensors.index.json`; `tokenizer` ("auto":
+    the World tokenizer for a 65536-id model; None; a spec such as "world" or
+    "hf:/path/tokenizer.json"; or a tokenizer) adds its files (`tokenizer.json`, ...), so that
+    transformers' `AutoTokenizer` loads the directory.
     The output path and (for rwkv-pth) the torch install are checked before anything is read;
     every problem is a one-line ValueError (ImportError when torch is missing).
     """
     if format not in EXPORT_FORMATS:
         raise ValueError(f"format: {format!r} is not one of {EXPORT_FORMATS}")
+    if format != "hf" and tokenizer not in ("auto", None):
+        raise ValueError(f"tokenizer: only the hf format stores tokenizer files, not {format!r}")
     out = Path(output)
     if format == "rwkv-pth":
         from lwm_jax.interop.torch_io import require_torch
@@ -134,6 +163,7 @@ def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
     else:
         check_output_dir(out, "output")
     cfg, tree = _params_of(model_or_dir, input_format)
+    tok = _export_tokenizer(tokenizer, cfg) if format == "hf" else None
     arch = arch_of_config(cfg).name
     if arch != DEFAULT_ARCH:
         raise ValueError(f"format: {format!r} export is for RWKV-7 models; this is a {arch} "
@@ -142,5 +172,6 @@ def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
         out.parent.mkdir(parents=True, exist_ok=True)
         rwkv_pth.save_pth(cfg, tree, out, dtype=dtype or "bf16")
     else:
-        hf.write_hf(cfg, tree, out, dtype=dtype or "f32", max_shard_bytes=max_shard_bytes)
+        hf.write_hf(cfg, tree, out, dtype=dtype or "f32", max_shard_bytes=max_shard_bytes,
+                    tokenizer=tok)
     return out

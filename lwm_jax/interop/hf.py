@@ -229,16 +229,21 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict:
 
 
 def write_hf(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, dtype: str = "f32",
-             max_shard_bytes: int | None = None) -> None:
-    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_bytes`).
+             max_shard_bytes: int | None = None, tokenizer=None) -> None:
+    """Write `config.json` + `model.safetensors` (or shards + index when `max_shard_bytes`),
+    and `tokenizer`'s Hugging Face files when one is given (`lwm_jax.tokenizers.hf_files`:
+    `tokenizer.json` + `tokenizer_config.json`, so `AutoTokenizer` loads the directory).
 
-    Raises ValueError (one line) for a bad dtype or an `out_dir` that is a file or cannot be
-    written.
+    Raises ValueError (one line) for a bad dtype, an `out_dir` that is a file or cannot be
+    written, and a tokenizer with more ids than the model or without such files.
     """
     from safetensors.numpy import save_file
     if dtype not in HF_DTYPES:
         raise ValueError(f"dtype: {dtype!r} is not one of {tuple(HF_DTYPES)}")
     check_output_dir(out_dir, "output")
+    if tokenizer is not None and tokenizer.vocab_size > cfg.vocab_size:
+        raise ValueError(f"tokenizer: {tokenizer.name!r} has {tokenizer.vocab_size} ids but the "
+                         f"model only {cfg.vocab_size}")
     np_dtype = HF_DTYPES[dtype][0]
     tensors = scatter_params(cfg, tree, layout.HF_TOP, layout.HF_BLOCK, "model.layers.{i}.",
                              layout.HF_LAYER0_ABSENT)
@@ -246,6 +251,9 @@ def write_hf(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, dtype: st
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
     (root / CONFIG).write_text(json.dumps(hf_config(cfg, dtype), indent=2) + "\n")
+    if tokenizer is not None:
+        from lwm_jax.tokenizers.hf_files import write_tokenizer_files
+        write_tokenizer_files(tokenizer, root)
     meta = {"format": "pt"}
     if not max_shard_bytes:
         save_file(tensors, str(root / SINGLE), metadata=meta)
