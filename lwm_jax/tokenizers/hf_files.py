@@ -3,17 +3,16 @@ its tokenizer in `transformers` (`AutoTokenizer.from_pretrained(dir)`, no remote
 in the `tokenizers` library and in our `HFTokenizer` (`hf:DIR/tokenizer.json`).
 
 World (`WorldTokenizer`) -> `tokenizer.json` that reproduces World's greedy longest match:
-  1. pre-tokenizer `Split`: cut before every space that follows a character other than space,
-     tab or newline. No World token holds such a pair of bytes (a space inside a World token
-     only ever follows a space, tab or newline: checked against the vocabulary when the file is
-     written), so greedy matching never crosses those cuts and the pieces can be matched one by
-     one. The cuts keep pieces short, which matters for step 3's cost;
-  2. pre-tokenizer `ByteLevel` (no prefix space, no regex): each byte -> one printable
+  1. pre-tokenizer `ByteLevel` (no prefix space, no regex): each byte -> one printable
      character (GPT-2's table, `byte_chars`), so tokens that are partial UTF-8 work;
-  3. model `WordPiece` with an empty continuing-subword prefix: from the left, the longest
-     vocabulary entry that starts the rest of the piece, which is World's rule. Every single
-     byte is an entry, so nothing is ever unknown;
+  2. pre-tokenizer `Split` with `longest_match_regex`: the vocabulary as a trie written as a
+     regular expression whose every optional group is tried before it is skipped, so at each
+     position the regex matches the longest vocabulary entry there; each match is one piece;
+  3. model `WordPiece` with an empty continuing-subword prefix: each piece is one entry, found
+     at once (and were it not, WordPiece's own rule is the same greedy longest match);
   4. decoder `ByteLevel`.
+  Linear in the text (a trie walk per token), whatever the text: no pre-split on spaces that
+  CJK text would not have. Every single byte is an entry, so nothing is ever unknown.
   Id 0 (end of document) is the special token `<|endoftext|>` (bos = eos = pad in
   `tokenizer_config.json`). The one difference from World: a text that literally contains
   `<|endoftext|>` gets id 0 for it, as special tokens do in every Hugging Face tokenizer.
@@ -34,8 +33,7 @@ from lwm_jax.tokenizers.world import VOCAB_FILENAME, WorldTokenizer, read_world_
 EOD_TOKEN = "<|endoftext|>"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
-_SPLIT = "(?<=[^\\t\\n ]) "      # a space after anything but whitespace: a World token boundary
-_BEFORE_SPACE_OK = frozenset(b" \t\n")
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
 
 
 def byte_chars() -> list[str]:
@@ -52,30 +50,47 @@ def byte_chars() -> list[str]:
     return out
 
 
-def world_tokenizer_json(tokenizer: WorldTokenizer) -> dict:
-    """The `tokenizer.json` document for a World vocabulary (see the module docstring).
+def _escape(ch: str) -> str:
+    return "\\" + ch if ch in _REGEX_SPECIAL else ch
 
-    Raises ValueError (one line naming the file) for a vocabulary whose tokens hold a space
-    after a non-whitespace byte: the split rule would then change the tokenization."""
+
+def longest_match_regex(tokens) -> str:
+    """A regular expression that matches, at any position, the longest of `tokens` (strings)
+    starting there: the tokens' trie, each node `(?:c1 R1|c2 R2|...)`, made optional (`?`,
+    greedy: the longer match is tried first) where the path so far is itself a token."""
+    trie: dict = {}
+    for tok in tokens:
+        node = trie
+        for ch in tok:
+            node = node.setdefault(ch, {})
+        node[None] = True
+
+    def node_regex(node: dict) -> str:
+        alts = [_escape(ch) + node_regex(child)
+                for ch, child in sorted((k, v) for k, v in node.items() if k is not None)]
+        if not alts:
+            return ""
+        group = alts[0] if len(alts) == 1 and None not in node else f"(?:{'|'.join(alts)})"
+        return group + "?" if None in node else group
+    return node_regex(trie)
+
+
+def world_tokenizer_json(tokenizer: WorldTokenizer) -> dict:
+    """The `tokenizer.json` document for a World vocabulary (see the module docstring)."""
     table = read_world_vocab(tokenizer.vocab_path)
-    for idx, tok in table.items():
-        if any(tok[i] == 0x20 and tok[i - 1] not in _BEFORE_SPACE_OK for i in range(1, len(tok))):
-            raise ValueError(f"{tokenizer.vocab_path}: token {idx} ({tok!r}) holds a space after "
-                             "a non-whitespace byte; this vocabulary cannot be written as a "
-                             "tokenizer.json that tokenizes exactly like it")
     chars = byte_chars()
-    vocab = {EOD_TOKEN: 0}
-    vocab.update({"".join(chars[b] for b in tok): idx for idx, tok in sorted(table.items())})
+    entries = {"".join(chars[b] for b in tok): idx for idx, tok in sorted(table.items())}
+    vocab = {EOD_TOKEN: 0, **entries}
     byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
                   "use_regex": False}
+    split = {"type": "Split", "pattern": {"Regex": longest_match_regex(entries)},
+             "behavior": "Isolated", "invert": False}
     return {
         "version": "1.0", "truncation": None, "padding": None,
         "added_tokens": [{"id": 0, "content": EOD_TOKEN, "single_word": False, "lstrip": False,
                           "rstrip": False, "normalized": False, "special": True}],
         "normalizer": None,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": _SPLIT}, "behavior": "MergedWithNext",
-             "invert": False}, byte_level]},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [byte_level, split]},
         "post_processor": None,
         "decoder": byte_level,
         "model": {"type": "WordPiece", "unk_token": EOD_TOKEN, "continuing_subword_prefix": "",

@@ -84,11 +84,13 @@ class RWKV7(nnx.Module):
       policy: `Policy` or a string accepted by `parse_policy` (e.g. "bf16-mixed").
       runtime: `Runtime` (WKV implementation, chunk, remat, layer scan); None = defaults.
         It changes how the model runs, never its math or parameter tree.
-      mesh: the device mesh the model runs on, or None. When its `sequence` axis has more
-        than one device, every layer's WKV runs sequence-parallel over it
-        (`lwm_jax.ops.wkv7.sequence_parallel`: each device its contiguous slice of T, the
-        slices' state transitions composed across devices) instead of on the whole sequence
-        per device. T must then be divisible by that axis. Math and parameters unchanged.
+      mesh: the device mesh the model runs on, or None. With more than one device, every
+        layer's WKV runs inside a `shard_map` on each device's own rows (batch over data/fsdp,
+        heads over tensor); when the `sequence` axis has more than one device it runs
+        sequence-parallel over it (`lwm_jax.ops.wkv7.sequence_parallel`: each device its
+        contiguous slice of T, the slices' state transitions composed across devices) instead
+        of on the whole sequence per device. T must then be divisible by that axis. Math and
+        parameters unchanged.
       rngs: `nnx.Rngs`; the `params` stream seeds every random init.
     """
 
@@ -102,7 +104,10 @@ class RWKV7(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
-        self.mesh = mesh if mesh is not None and mesh.shape.get("sequence", 1) > 1 else None
+        # On any multi-device mesh the WKV runs per device inside a shard_map: a Pallas kernel
+        # is a custom call XLA's partitioner cannot split, so under automatic partitioning each
+        # device would gather the whole batch and run all of it.
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.emb = nnx.Param(init.embedding(rngs.params(), V, C, pd),
                              logical_axes=("vocab", "embed"))
