@@ -7,6 +7,7 @@
     lwm-jax export --input ckpt/0.1b --output out.pth --format rwkv-pth
     lwm-jax generate --checkpoint ckpt/0.1b --prompt "The capital of France is"
     lwm-jax eval --checkpoint ckpt/0.1b --data book.txt --lambada lambada.jsonl
+    lwm-jax precision-report --policy bf16-mixed model.n_layer=2    # where precision is lost
 
 `train` takes dotted `key=value` overrides after the options (values are parsed as YAML).
 Arguments are defined in `lwm_jax.cli_args` (light); only the chosen subcommand's module is
@@ -31,6 +32,9 @@ import os
 import sys
 
 from lwm_jax.cli_args import COMMANDS, DESCRIPTIONS, HelpFormatter
+from lwm_jax.diagnostics.report_args import DESCRIPTION as REPORT_DESCRIPTION
+from lwm_jax.diagnostics.report_args import HELP as REPORT_HELP
+from lwm_jax.diagnostics.report_args import add_precision_report_args
 from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
                                 one_line, quote_path)
 
@@ -89,6 +93,38 @@ def _check_run_dirs(cfg) -> None:
                              f"{type(doc).__name__}; restore it or choose a new run_dir")
 
 
+# ------------------------------------------------------------------------ precision-report
+def precision_report_main(args: argparse.Namespace) -> int:
+    """`lwm-jax precision-report`: the model from `--checkpoint`, or a run config's model at
+    its initialisation (seed `train.seed`), then `lwm_jax.diagnostics.report_cli.run_report`.
+    Returns 0, or 3 when the examined policy produced a non-finite value."""
+    from lwm_jax.diagnostics.report_cli import check_args, run_report
+
+    check_args(args)
+    if args.checkpoint is not None:
+        if args.overrides:
+            raise ValueError(f"precision-report: {args.overrides[0]!r}: KEY=VALUE overrides "
+                             "apply to --config only; drop them or use --config")
+        from lwm_jax.interop.api import load_pretrained
+        model, _ = load_pretrained(args.checkpoint, args.format)
+        return run_report(model, args, args.policy or "bf16-mixed")
+    from flax import nnx
+
+    from lwm_jax.models.registry import get_arch
+    from lwm_jax.train.config import load_config
+    cfg = load_config(args.config, args.overrides)
+    model = get_arch(cfg.arch).model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
+                                         rngs=nnx.Rngs(cfg.train.seed))
+    return run_report(model, args, args.policy or cfg.precision)
+
+
+# Subcommands whose light argument modules live beside their implementation.
+EXTRA_COMMANDS = (
+    ("precision-report", REPORT_HELP, "lwm_jax.cli", "precision_report_main",
+     add_precision_report_args),
+)
+
+
 # ----------------------------------------------------------------------------------- parser
 class Parser(argparse.ArgumentParser):
     """argparse, with usage errors on one line (`lwm-jax generate: error: ...; see --help`)
@@ -118,8 +154,9 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Errors are one line on stderr: exit status 2 bad input, 3 non-finite result,\n"
                "1 internal error (with a crash log). LWM_DEBUG=1 shows tracebacks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for name, help_text, module, function, add_args in COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=DESCRIPTIONS.get(name, help_text),
+    descriptions = {**DESCRIPTIONS, "precision-report": REPORT_DESCRIPTION}
+    for name, help_text, module, function, add_args in COMMANDS + EXTRA_COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=descriptions.get(name, help_text),
                            formatter_class=HelpFormatter)
         add_args(p)
         p.set_defaults(func=_Entry(module, function))

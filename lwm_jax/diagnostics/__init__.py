@@ -1,4 +1,6 @@
-"""Numerical diagnostics: probes into the forward pass and the non-finite localiser."""
+"""Numerical diagnostics: probes into the forward pass (`probe`), the non-finite localiser
+(`nonfinite`) and the precision report (`precision_report`: per-layer, per-op errors of a
+policy against float64 and a shadow policy; `lwm-jax precision-report`)."""
 from lwm_jax.diagnostics.probe import Probe, scoped
 
 __all__ = ["Probe", "scoped"]

@@ -10,6 +10,7 @@ are the per-op half of a precision report (fp32-vs-shadow errors can be added as
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -66,13 +67,17 @@ def _reduce(T: int):
     return reduce
 
 
-def probed_forward(model_fn, params: dict, tokens_BT, *, reduce, segment_ids=None):
+def probed_forward(model_fn, params: dict, tokens_BT, *, reduce, segment_ids=None,
+                   compiler_options: dict | None = None):
     """Run a model forward on `params` with a `Probe(reduce)`; returns `(logits, records)`.
 
     model_fn: `() -> nnx.Module` building the model whose parameter tree `params` is (called
     under `nnx.eval_shape`; nothing is allocated), callable as
     `model(tokens_BT, segment_ids=..., probe=...)` — e.g. `lwm_jax.models.rwkv7.probe_model_fn`.
     params: the model's parameter pure dict (as the trainer holds it).
+    compiler_options: XLA options for this compilation only (e.g.
+    `{"xla_allow_excess_precision": False}`: every value rounded to its dtype, as the precision
+    report needs), or None.
     Jitted; `records` is a list of `(name, reduce(name, x))` in execution order.
     """
     abstract = nnx.eval_shape(model_fn)
@@ -80,7 +85,7 @@ def probed_forward(model_fn, params: dict, tokens_BT, *, reduce, segment_ids=Non
 
     names: list[str] = []
 
-    @jax.jit
+    @functools.partial(jax.jit, compiler_options=compiler_options)
     def run(params, tokens_BT, segment_ids):
         probe = Probe(reduce)
         logits = nnx.merge(graphdef, params)(tokens_BT, segment_ids=segment_ids, probe=probe)

@@ -1,0 +1,196 @@
+"""Sub-operations of a model, as the precision report measures them: what each one is, where
+its output is tapped, and its float64 reference.
+
+A sub-op's *local* error is measured on the policy run's own inputs: the float64 reference
+`ref` is the op's formula evaluated in float64 on exactly the values the policy run fed it, so
+errors made upstream do not count against it. Its *floor* is the same formula in float64 with
+only the roundings the policy asks for (the op's inputs and outputs stored in their dtypes,
+exact arithmetic in between): the best any implementation of that policy can do. A local error
+far above the floor means the op computes less precisely than the policy promises (a lost fp32
+island, a low-precision product); one at the floor is the price of the policy itself.
+
+Family tables (`subops_rwkv7`, `subops_llama`) are data plus NumPy formulas written from the
+papers' math; this package imports no model code (models import the probe from here).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import numpy as np
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass
+class Context:
+    """Everything a sub-op's local measurement reads.
+
+    taps: the policy run's tapped values by probe name (`layer0/att/w`, `logits`, ...).
+    params: the policy run's parameters (stored in its param dtype), nested dict of float64.
+    cfg: the model's resolved config (family-specific dataclass).
+    policy: the `lwm_jax.precision.Policy` under test.
+    inputs_BT, targets_BT: int tokens the model saw and the next tokens.
+    loss_BT: the per-token cross-entropy the policy run computed (float32 values).
+    memo: cache shared by sub-ops of one report (e.g. one WKV reference per layer).
+    """
+
+    taps: dict[str, np.ndarray]
+    params: dict
+    cfg: Any
+    policy: Any
+    inputs_BT: np.ndarray
+    targets_BT: np.ndarray
+    loss_BT: np.ndarray
+    memo: dict = dataclasses.field(default_factory=dict)
+
+    def tap(self, name: str) -> np.ndarray:
+        """A tapped value as float64 (ValueError naming the tap when the model has none)."""
+        if name not in self.taps:
+            raise ValueError(f"precision report: the model recorded no probe tap {name!r}; "
+                             f"taps seen: {', '.join(list(self.taps)[:8])}, ...")
+        return np.asarray(self.taps[name], np.float64)
+
+    @property
+    def compute_dtype(self):
+        return jnp.dtype(self.policy.compute_dtype)
+
+    @property
+    def output_dtype(self):
+        return jnp.dtype(self.policy.output_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Local:
+    """One local measurement: the policy's value, the float64 reference on the same inputs and
+    the float64 floor (policy's storage roundings only); float64 arrays of one shape."""
+
+    value: np.ndarray
+    ref: np.ndarray
+    floor: np.ndarray
+
+
+@dataclasses.dataclass(frozen=True)
+class SubOp:
+    """A sub-operation of a model family.
+
+    name: short label (`decay`, `wkv`, ...), a column of the heat map.
+    stage: "pre" (before the layers), "layer" (once per layer) or "post" (after the layers).
+    tap: probe name of its output, relative to `layer{l}/` for per-layer ops; None for an op
+      measured in isolation (its end-to-end error against the shadow is then not available).
+    local: `(ctx, layer or None) -> Local`.
+    meaning: what it computes, one line.
+    fix: what restores precision when the op's local error is far above its floor.
+    """
+
+    name: str
+    stage: str
+    tap: str | None
+    local: Callable[[Context, int | None], Local]
+    meaning: str
+    fix: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model family's sub-ops and gradient groups.
+
+    grad_group: `(path tuple of the parameter) -> group name`; parameters under `blocks` have a
+    leading layer axis and are grouped per layer.
+    """
+
+    name: str
+    subops: tuple[SubOp, ...]
+    grad_group: Callable[[tuple[str, ...]], str]
+
+
+# ----------------------------------------------------------------------------- helpers
+F32 = jnp.dtype(jnp.float32)
+
+
+def storage(x, dtype) -> np.ndarray:
+    """`x` rounded to `dtype`'s precision, as float64: the rounding of storing it there.
+
+    Relative rounding only: the tensor is first scaled by a power of two (exact) that brings
+    its largest magnitude near 1, so float16's range does not turn large values into inf here
+    (the policy's own range handling, e.g. ChannelMix's scaled squares, is measured by the
+    local error, not assumed by the floor).
+    """
+    x = np.asarray(x, np.float64)
+    dtype = jnp.dtype(dtype)
+    if dtype == np.float64:
+        return x
+    peak = np.max(np.abs(x[np.isfinite(x)]), initial=0.0)
+    shift = 0.0 if peak == 0 else float(np.ceil(np.log2(peak)))
+    scale = np.exp2(-shift)
+    return (x * scale).astype(dtype).astype(np.float64) / scale
+
+
+def layer_norm64(x, weight, bias, eps: float = 1e-5):
+    mean = x.mean(-1, keepdims=True)
+    var = np.square(x - mean).mean(-1, keepdims=True)
+    return (x - mean) / np.sqrt(var + eps) * weight + bias
+
+
+def group_norm64(x, weight, bias, n_groups: int, eps: float):
+    xg = x.reshape(*x.shape[:-1], n_groups, -1)
+    mean = xg.mean(-1, keepdims=True)
+    var = np.square(xg - mean).mean(-1, keepdims=True)
+    return ((xg - mean) / np.sqrt(var + eps)).reshape(x.shape) * weight + bias
+
+
+def rms_norm64(x, weight, eps: float):
+    return x / np.sqrt(np.mean(x * x, -1, keepdims=True) + eps) * weight
+
+
+def sigmoid64(x):
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def shift64(x_BTC):
+    """Previous token's value, zeros at t = 0 (a fresh state, one document per row)."""
+    return np.concatenate([np.zeros_like(x_BTC[:, :1]), x_BTC[:, :-1]], axis=1)
+
+
+def cross_entropy64(logits_BTV, targets_BT):
+    """Per-token cross-entropy `[B, T]` in float64."""
+    z = np.asarray(logits_BTV, np.float64)
+    top = z.max(-1, keepdims=True)
+    lse = np.log(np.exp(z - top).sum(-1)) + top[..., 0]
+    return lse - np.take_along_axis(z, np.asarray(targets_BT)[..., None], -1)[..., 0]
+
+
+def loss_local(ctx: Context, layer) -> Local:
+    """The per-token loss the report computed in float32 from the policy's logits, against
+    float64 cross-entropy of the same logits; floor: float32 storage of that."""
+    del layer
+    ref = cross_entropy64(ctx.tap("logits"), ctx.targets_BT)
+    return Local(np.asarray(ctx.loss_BT, np.float64), ref, storage(ref, F32))
+
+
+LOSS = SubOp("loss", "post", None, loss_local,
+             "mean cross-entropy of the next token (float32 log-sum-exp)",
+             "compute the cross-entropy in float32 from float32 logits (the loss island, "
+             "lwm_jax.train.loss)")
+
+
+def rel_error(x, ref) -> float:
+    """`||x - ref|| / ||ref||` over all entries, float64; inf when x holds a NaN/inf; 0 when
+    both are zero."""
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    num, den = float(np.linalg.norm(x - ref)), float(np.linalg.norm(ref))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def max_abs_error(x, ref) -> float:
+    x, ref = np.asarray(x, np.float64), np.asarray(ref, np.float64)
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    return float(np.max(np.abs(x - ref), initial=0.0))
+
+
+def nonfinite_count(x) -> int:
+    return int(np.size(x) - np.count_nonzero(np.isfinite(np.asarray(x, np.float64))))

@@ -1,0 +1,161 @@
+"""LLaMA-family sub-ops for the precision report: RoPE table, attention, RMSNorm, SwiGLU MLP,
+logits, loss.
+
+| op        | policy value                         | its input                 | policy storage     |
+|-----------|--------------------------------------|---------------------------|--------------------|
+| rope      | `rope_cos_sin` at 0..max_seq_len-1   | positions (exact)         | float32            |
+| attention | tap `attn_out`                       | layer input (`emb` / previous `x_out`) | normed x, q, k, v, rotated q/k, probabilities, heads, out in compute dtype |
+| rmsnorm   | `rms_norm` on the run's `x_att`      | tap `x_att`               | output compute dtype |
+| mlp       | tap `mlp_out`                        | tap `x_att`               | normed x, silu(g) u and out in compute dtype; g, u float32 |
+| logits    | tap `logits`                         | last `x_out`              | output dtype       |
+
+The Llama block taps only its sublayer outputs, so RMSNorm and RoPE are measured in isolation:
+the library's own functions (`lwm_jax.layers.rms_norm`, `lwm_jax.layers.rope`) called as the
+block calls them, on the run's values (no end-to-end column for them).
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, rms_norm64,
+                                        storage)
+from lwm_jax.layers.rms_norm import rms_norm
+from lwm_jax.layers.rope import inv_frequencies, rope_cos_sin
+
+
+def _layer(ctx: Context, group: str, layer: int) -> dict:
+    return {k: v[layer] for k, v in ctx.params["blocks"][group].items()}
+
+
+def _freqs(cfg):
+    return inv_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+
+def _rope64(x_BTHD, cos_TK, sin_TK):
+    half = x_BTHD.shape[-1] // 2
+    x1, x2 = x_BTHD[..., :half], x_BTHD[..., half:]
+    c, s = cos_TK[None, :, None, :], sin_TK[None, :, None, :]
+    return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
+
+
+def _attention64(x_BTC, p, norm_w, cfg, store):
+    """One layer's attention sublayer in float64; `store(x)` is applied wherever the block
+    stores a value (identity for the reference, compute-dtype rounding for the floor)."""
+    B, T, _ = x_BTC.shape
+    H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
+    angle = np.arange(T, dtype=np.float64)[:, None] * _freqs(cfg)[None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    h = store(rms_norm64(x_BTC, norm_w, cfg.rms_eps))
+    q = _rope64(store(h @ p["q"]).reshape(B, T, H, D), cos, sin)
+    k = _rope64(store(h @ p["k"]).reshape(B, T, K, D), cos, sin)
+    q, k = store(q), store(k)
+    v = store(h @ p["v"]).reshape(B, T, K, D)
+    causal = np.tril(np.ones((T, T), bool))
+    heads = []
+    for i in range(H):
+        j = i // (H // K)
+        scores = np.einsum("btd,bsd->bts", q[:, :, i], k[:, :, j]) / np.sqrt(D)
+        scores = np.where(causal, scores, -np.inf)
+        e = np.exp(scores - scores.max(-1, keepdims=True))
+        probs = store(e / e.sum(-1, keepdims=True))
+        heads.append(store(np.einsum("bts,bsd->btd", probs, v[:, :, j])))
+    return store(np.concatenate(heads, -1) @ p["o"])
+
+
+def attention_local(ctx: Context, layer: int) -> Local:
+    """RMSNorm, q/k/v, RoPE, causal softmax attention (GQA) and the output projection, from
+    the run's layer input."""
+    cfg, cd = ctx.cfg, ctx.compute_dtype
+    x = ctx.tap("emb" if layer == 0 else f"layer{layer - 1}/x_out")
+    p = _layer(ctx, "attn", layer)
+    w = ctx.params["blocks"]["attn_norm"]["weight"][layer]
+    ref = _attention64(x, p, w, cfg, lambda a: a)
+    floor = _attention64(x, p, w, cfg, lambda a: storage(a, cd))
+    return Local(ctx.tap(f"layer{layer}/attn_out"), ref, floor)
+
+
+def rmsnorm_local(ctx: Context, layer: int) -> Local:
+    """The MLP's RMSNorm (`lwm_jax.layers.rms_norm`) on the run's `x_att`, output in the
+    compute dtype, as the block calls it."""
+    x_att = ctx.taps[f"layer{layer}/x_att"]
+    weight_dtype = jnp.dtype(ctx.policy.param_dtype)
+    w = ctx.params["blocks"]["mlp_norm"]["weight"][layer]
+    value = rms_norm(jnp.asarray(x_att), jnp.asarray(w, weight_dtype), eps=ctx.cfg.rms_eps,
+                     out_dtype=ctx.compute_dtype)
+    ref = rms_norm64(np.asarray(x_att, np.float64), w, ctx.cfg.rms_eps)
+    return Local(np.asarray(value, np.float64), ref, storage(ref, ctx.compute_dtype))
+
+
+def mlp_local(ctx: Context, layer: int) -> Local:
+    """SwiGLU `down(silu(gate h) * up h)`, h = RMSNorm(x_att), from the run's `x_att`."""
+    cd = ctx.compute_dtype
+    p = _layer(ctx, "mlp", layer)
+    w = ctx.params["blocks"]["mlp_norm"]["weight"][layer]
+    h = rms_norm64(ctx.tap(f"layer{layer}/x_att"), w, ctx.cfg.rms_eps)
+
+    def swiglu(h, store, store32):
+        g, u = store32(h @ p["gate"]), store32(h @ p["up"])
+        return store(store(g / (1.0 + np.exp(-g)) * u) @ p["down"])
+    ref = swiglu(h, lambda a: a, lambda a: a)
+    floor = swiglu(storage(h, cd), lambda a: storage(a, cd), lambda a: storage(a, F32))
+    return Local(ctx.tap(f"layer{layer}/mlp_out"), ref, floor)
+
+
+def rope_local(ctx: Context, layer) -> Local:
+    """cos and sin tables of every position up to `max_seq_len` (`rope_cos_sin`, what the
+    model uses) against float64 `cos(p f)`, `sin(p f)`."""
+    del layer
+    freqs = _freqs(ctx.cfg)
+    positions = np.arange(ctx.cfg.max_seq_len, dtype=np.int64)
+    cos, sin = rope_cos_sin(jnp.asarray(positions, jnp.int32), freqs)
+    value = np.concatenate([np.asarray(cos, np.float64), np.asarray(sin, np.float64)], -1)
+    angle = positions[:, None].astype(np.float64) * freqs[None, :]
+    ref = np.concatenate([np.cos(angle), np.sin(angle)], -1)
+    return Local(value, ref, storage(ref, F32))
+
+
+def logits_local(ctx: Context, layer) -> Local:
+    """Final RMSNorm + head (the embedding transposed when tied) on the last residual."""
+    del layer
+    cfg = ctx.cfg
+    x = ctx.tap(f"layer{cfg.n_layer - 1}/x_out")
+    head = ctx.params["embed"].T if cfg.tie_embeddings else ctx.params["head"]
+    ref = rms_norm64(x, ctx.params["norm"]["weight"], cfg.rms_eps) @ head
+    return Local(ctx.tap("logits"), ref, storage(ref, ctx.output_dtype))
+
+
+SUBOPS = (
+    SubOp("rope", "pre", None, rope_local,
+          "RoPE cos/sin tables, positions 0..max_seq_len-1",
+          "RoPE tables below float32 accuracy (e.g. a bf16 table or angles formed as float32 "
+          "products): use lwm_jax.layers.rope.rope_cos_sin"),
+    SubOp("attention", "layer", "attn_out", attention_local,
+          "RMSNorm, q/k/v, RoPE, causal softmax attention, output projection",
+          "attention loses more than its storage rounding: keep its logits and softmax in "
+          "float32 (lwm_jax.layers.attention) and the matmul precision explicit (m=highest)"),
+    SubOp("rmsnorm", "layer", None, rmsnorm_local,
+          "RMSNorm before the MLP (float32 statistics)",
+          "RMSNorm statistics below float32: keep the norm island "
+          "(lwm_jax.layers.rms_norm: float32 mean square)"),
+    SubOp("mlp", "layer", "mlp_out", mlp_local,
+          "SwiGLU MLP with its RMSNorm",
+          "the MLP loses more than its storage rounding: keep silu(g) * u in float32 and "
+          "check the matmul precision (m=highest)"),
+    SubOp("logits", "post", "logits", logits_local,
+          "final RMSNorm + head (float32 logits island)",
+          "logits computed below float32: keep the logits island (head_fn: float32 RMSNorm "
+          "and Policy.einsum_f32; output dtype o=f32)"),
+    LOSS,
+)
+
+
+def grad_group(path: tuple[str, ...]) -> str:
+    """Parameter group of a gradient leaf (per layer under `blocks`)."""
+    if path[0] != "blocks":
+        return {"embed": "embed", "norm": "head", "head": "head"}.get(path[0], path[0])
+    return {"attn": "attention", "mlp": "mlp", "attn_norm": "norms",
+            "mlp_norm": "norms"}.get(path[1], path[1])
+
+
+FAMILY = Family("llama", SUBOPS, grad_group)

@@ -1,0 +1,162 @@
+"""RWKV-7 sub-ops for the precision report: decay, WKV output and state, `ln_x` GroupNorm,
+ChannelMix (FFN), logits, loss.
+
+Formulas follow the model (`lwm_jax.models.rwkv7`, "x070") in float64 NumPy; each op starts
+from a value the policy run tapped, so its local error is its own:
+
+| op        | policy value (tap)       | its input (tap)                      | policy storage      |
+|-----------|--------------------------|--------------------------------------|---------------------|
+| decay     | `att/w`                  | layer input (`ln0` / previous `x_out`) via ln1 + mix | x_w compute dtype, w float32 |
+| wkv       | `att/wkv_out`            | `att/{r,w,k,v,a_in,b_in}`            | output compute dtype |
+| wkv_state | `att/wkv_state`          | same                                 | float32             |
+| ln_x      | `att/ln_x`               | `att/wkv_out`                        | output compute dtype |
+| ffn       | `ffn/out`                | `x_att` via ln2 + mix                | k, k W, relu², out in compute dtype |
+| logits    | `logits`                 | last `x_out`                         | output dtype        |
+
+The report runs each sequence from a fresh state (token shift and WKV state zero at t = 0).
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, group_norm64,
+                                        layer_norm64, shift64, sigmoid64, storage)
+from lwm_jax.ops.wkv7.reference import wkv7_reference_np
+
+DECAY_SCALE = math.exp(-0.5)      # w = -exp(-0.5) * sigmoid(d), RWKV-7's log-decay range
+
+
+def _layer(ctx: Context, group: str, layer: int) -> dict:
+    return {k: v[layer] for k, v in ctx.params["blocks"][group].items() if k != "ln_x"}
+
+
+def _layer_input(ctx: Context, layer: int):
+    """Residual stream entering `layer` in the policy run, `[B, T, C]`."""
+    return ctx.tap("ln0" if layer == 0 else f"layer{layer - 1}/x_out")
+
+
+def _mixed(ctx: Context, x_BTC, norm: str, mix, layer: int):
+    """`ln(x) + (shift(ln(x)) - ln(x)) * mix`: a mixer's token-shifted input, float64."""
+    ln = _layer(ctx, norm, layer)
+    xn = layer_norm64(x_BTC, ln["weight"], ln["bias"])
+    return xn + (shift64(xn) - xn) * mix
+
+
+def decay_local(ctx: Context, layer: int) -> Local:
+    """`w = -exp(-0.5) sigmoid(w0 + tanh(x_w w1) w2)`; floor: x_w stored in the compute dtype
+    (as TimeMix has it), everything after in float32 (the decay island)."""
+    p = _layer(ctx, "att", layer)
+    x_w = _mixed(ctx, _layer_input(ctx, layer), "ln1", p["x_w"], layer)
+
+    def w_of(x):
+        return -DECAY_SCALE * sigmoid64(p["w0"] + np.tanh(x @ p["w1"]) @ p["w2"])
+    ref = w_of(x_w)
+    floor = storage(w_of(storage(x_w, ctx.compute_dtype)), F32)
+    value = ctx.tap(f"layer{layer}/att/w").reshape(ref.shape)
+    return Local(value, ref, floor)
+
+
+def _wkv_reference(ctx: Context, layer: int):
+    key = ("wkv", layer)
+    if key not in ctx.memo:
+        names = ("r", "w", "k", "v", "a_in", "b_in")
+        ctx.memo[key] = wkv7_reference_np(*(ctx.tap(f"layer{layer}/att/{n}") for n in names))
+    return ctx.memo[key]
+
+
+def wkv_local(ctx: Context, layer: int) -> Local:
+    """The WKV7 recurrence on the run's own r, w, k, v, a, b; floor: output stored in the
+    compute dtype (TimeMix asks `wkv7` for `output_dtype=compute`)."""
+    o, _ = _wkv_reference(ctx, layer)
+    return Local(ctx.tap(f"layer{layer}/att/wkv_out"), o, storage(o, ctx.compute_dtype))
+
+
+def wkv_state_local(ctx: Context, layer: int) -> Local:
+    """The final WKV state (float32 always: the state island)."""
+    _, state = _wkv_reference(ctx, layer)
+    return Local(ctx.tap(f"layer{layer}/att/wkv_state"), state, storage(state, F32))
+
+
+def ln_x_local(ctx: Context, layer: int) -> Local:
+    """Per-head GroupNorm of the run's WKV output (eps = N * 1e-5)."""
+    o = ctx.tap(f"layer{layer}/att/wkv_out")
+    B, T, H, N = o.shape
+    ln = ctx.params["blocks"]["att"]["ln_x"]
+    ref = group_norm64(o.reshape(B, T, H * N), ln["weight"][layer], ln["bias"][layer], H,
+                       N * 1e-5)
+    return Local(ctx.tap(f"layer{layer}/att/ln_x"), ref, storage(ref, ctx.compute_dtype))
+
+
+def ffn_local(ctx: Context, layer: int) -> Local:
+    """ChannelMix `relu(k W_key)² W_value` from the run's `x_att`; floor: k, k W_key, the
+    squares and the output stored in the compute dtype."""
+    p = _layer(ctx, "ffn", layer)
+    cd = ctx.compute_dtype
+    k = _mixed(ctx, ctx.tap(f"layer{layer}/x_att"), "ln2", p["x_k"], layer)
+    ref = np.square(np.maximum(k @ p["key"], 0.0)) @ p["value"]
+    pre = storage(storage(k, cd) @ p["key"], cd)
+    floor = storage(storage(np.square(np.maximum(pre, 0.0)), cd) @ p["value"], cd)
+    return Local(ctx.tap(f"layer{layer}/ffn/out"), ref, floor)
+
+
+def logits_local(ctx: Context, layer) -> Local:
+    """Final LayerNorm + head on the run's last residual stream; floor: output dtype storage."""
+    del layer
+    x = ctx.tap(f"layer{ctx.cfg.n_layer - 1}/x_out")
+    ln = ctx.params["ln_out"]
+    ref = layer_norm64(x, ln["weight"], ln["bias"]) @ ctx.params["head"]
+    return Local(ctx.tap("logits"), ref, storage(ref, ctx.output_dtype))
+
+
+SUBOPS = (
+    SubOp("decay", "layer", "att/w", decay_local,
+          "TimeMix log-decay w = -e^-0.5 sigmoid(w0 + tanh(x_w w1) w2)",
+          "the decay is computed below float32: keep the decay fp32 island "
+          "(lwm_jax.models.rwkv7.time_mix.decay_log: LoRA through Policy.einsum_f32, w0 and "
+          "the sigmoid in float32)"),
+    SubOp("wkv", "layer", "att/wkv_out", wkv_local,
+          "WKV7 output o_t = S_t^T r_t",
+          "the WKV kernel loses precision beyond its output rounding: run its in-chunk "
+          "products at w=highest (e.g. precision=p=f32,c=bf16,w=highest) or use a smaller "
+          "runtime.chunk_size"),
+    SubOp("wkv_state", "layer", "att/wkv_state", wkv_state_local,
+          "WKV7 final state S_T (float32)",
+          "the WKV state is held below float32: keep the state island (wkv7 state and "
+          "initial_state are float32 under every policy)"),
+    SubOp("ln_x", "layer", "att/ln_x", ln_x_local,
+          "TimeMix per-head GroupNorm of the WKV output",
+          "GroupNorm statistics below float32: keep the norm island "
+          "(lwm_jax.layers.norms.group_norm: float32 mean and variance)"),
+    SubOp("ffn", "layer", "ffn/out", ffn_local,
+          "ChannelMix relu(k W_key)^2 W_value",
+          "ChannelMix loses more than its storage rounding: under float16 keep the "
+          "power-of-two scaled squares (or use bf16-mixed, whose range holds them); otherwise "
+          "check its matmul precision (m=highest)"),
+    SubOp("logits", "post", "logits", logits_local,
+          "final LayerNorm + head (float32 logits island)",
+          "logits computed below float32: keep the logits island (head_fn: float32 "
+          "LayerNorm and Policy.einsum_f32; output dtype o=f32)"),
+    LOSS,
+)
+
+
+def grad_group(path: tuple[str, ...]) -> str:
+    """Parameter group of a gradient leaf (per layer under `blocks`)."""
+    if path[0] != "blocks":
+        return {"emb": "emb", "ln0": "ln0", "ln_out": "head", "head": "head"}.get(path[0],
+                                                                               path[0])
+    group, leaf = path[1], path[2]
+    if group == "att":
+        if leaf in ("w0", "w1", "w2"):
+            return "decay"
+        if leaf == "ln_x":
+            return "ln_x"
+        if leaf in ("receptance", "key", "value", "output"):
+            return "att_proj"
+        return "att_other"
+    return {"ffn": "ffn", "ln1": "norms", "ln2": "norms"}.get(group, group)
+
+
+FAMILY = Family("rwkv7", SUBOPS, grad_group)
