@@ -1,10 +1,16 @@
-"""Grouped-query attention through `jax.nn.dot_product_attention`, and its KV cache.
+"""Grouped-query attention: XLA / cuDNN through `jax.nn.dot_product_attention`, splash on TPU,
+and the KV cache.
 
-Every call goes through `jax.nn.dot_product_attention`. On a GPU, causal attention of 16-bit
-inputs without an explicit mask (training and scoring of unpacked rows) asks for cuDNN's fused
-flash-attention kernel (`implementation="cudnn"`: no `[T, S]` scores in memory, fp32 softmax
-statistics inside the kernel); everything else (CPU, TPU, float32 inputs, packed-document and
-cache masks) takes `implementation=None`, which in jax 0.10 / 0.11 is always the XLA form.
+Which kernel runs (`self_attention`, whole-sequence attention: training, scoring, prefill):
+- TPU, bfloat16 inputs, T a multiple of 128 (with or without packed-document segment ids): JAX's
+  Pallas splash-attention kernel (`lwm_jax.layers.attention_tpu`: flash-style, no `[T, T]`
+  scores in memory, float32 softmax statistics). float32 inputs stay on XLA there (the kernel's
+  matmuls take no precision, and Mosaic's default is one bf16 pass: `fp32` would not be IEEE
+  float32), and so do float16 inputs and other T.
+- GPU, 16-bit causal attention without an explicit mask (unpacked rows): cuDNN's fused
+  flash-attention kernel (`implementation="cudnn"`, fp32 softmax statistics inside the kernel).
+- Everything else, and every cache (decoding) call on any backend: `implementation=None`, which
+  in jax 0.10 / 0.11 is always the XLA form.
 The XLA form takes the query-key products with
 float32 accumulation and float32 output for 16-bit inputs, and the softmax in float32 (tested in
 tests/layers/test_attention.py); the probabilities are then cast to the value dtype for the
@@ -13,8 +19,8 @@ second product. The matmul precision of float32 inputs is set for the call with
 GPU and TPU too, not TF32 / one bf16 pass.
 
 Masks: causal always. With `segment_ids_BT` (packed documents), a boolean mask also keeps every
-query inside its own segment. With a cache, query `t` of row `b` sits at position
-`length[b] + t` and sees the cache entries `s <= length[b] + t`.
+query inside its own segment (splash: the kernel's segment ids). With a cache, query `t` of row
+`b` sits at position `length[b] + t` and sees the cache entries `s <= length[b] + t`.
 
 Heads: queries `[B, T, H, D]`, keys/values `[B, S, K, D]` with `H % K == 0` (K = H is plain
 multi-head attention, K = 1 multi-query).
@@ -25,6 +31,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from lwm_jax.layers.attention_tpu import splash_self_attention, splash_supported
 
 
 @jax.tree_util.register_dataclass
@@ -92,12 +100,27 @@ def _implementation(q_BTHD, mask):
     return "cudnn"
 
 
-def self_attention(q_BTHD, k_BTKD, v_BTKD, *, precision: str, segment_ids_BT=None):
-    """Causal attention of a whole sequence (training, scoring, prefill without a cache)."""
+def self_attention(q_BTHD, k_BTKD, v_BTKD, *, precision: str, segment_ids_BT=None,
+                   interpret: bool = False):
+    """Causal attention of a whole sequence (training, scoring, prefill without a cache).
+
+    q `[B, T, H, D]`, k/v `[B, T, K, D]`, optional int `segment_ids_BT` `[B, T]`; returns
+    `[B, T, H, D]` in q's dtype. On a TPU, bfloat16 inputs with T a multiple of 128 take the
+    splash kernel (`interpret=True` runs it in Pallas' interpreter: tests); otherwise XLA/cuDNN.
+    """
+    if _use_splash(q_BTHD):
+        return splash_self_attention(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=segment_ids_BT,
+                                     interpret=interpret)
     if segment_ids_BT is None:
         return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision, is_causal=True)
     return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision,
                   mask=segment_mask(segment_ids_BT))
+
+
+def _use_splash(q_BTHD) -> bool:
+    """Splash on a TPU for bfloat16 queries over T a multiple of 128 (see the module note)."""
+    return (jax.default_backend() == "tpu" and splash_supported(q_BTHD.shape[1])
+            and jnp.dtype(q_BTHD.dtype) == jnp.dtype(jnp.bfloat16))
 
 
 def write_cache(cache: KVCache, k_BTKD, v_BTKD) -> KVCache:
