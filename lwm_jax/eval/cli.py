@@ -100,12 +100,24 @@ def _check_task_options(args: argparse.Namespace) -> None:
                          "of task YAML files")
 
 
+def _progress_bar(kind: str, total: int):
+    """A stderr progress bar over `total` requests of one kind; returns its updater."""
+    from tqdm import tqdm
+    bar = tqdm(total=total, desc=f"[eval] {kind}", file=sys.stderr, unit="req")
+
+    def update(n: int) -> None:
+        bar.update(n)
+        if bar.n >= total:
+            bar.close()
+    return update
+
+
 def _run_lm_eval(args: argparse.Namespace, model, tok, manager, names: list[str]) -> dict:
     """lm-eval's results for `--tasks`, checked finite (standard errors may be None)."""
     from lwm_jax.eval.harness import HarnessModel
     from lwm_jax.eval.lm_eval_adapter import run_tasks
     harness = HarnessModel(model, tok, batch_size=args.batch_size, window=args.ctx_len,
-                           prefix=args.prefix)
+                           prefix=args.prefix, progress=_progress_bar)
     out = run_tasks(harness, names, num_fewshot=args.num_fewshot, limit=args.limit,
                     bootstrap_iters=args.bootstrap_iters, manager=manager)
     for task, metrics in out["results"].items():

@@ -86,7 +86,7 @@ class HarnessModel:
         return self.scorer.n_truncated + self.n_truncated_prompts
 
     def _updater(self, kind: str, total: int) -> Callable[[int], None] | None:
-        return None if self._progress is None else self._progress(kind, total)
+        return None if self._progress is None or total == 0 else self._progress(kind, total)
 
     # ------------------------------------------------------------------ scoring
     def loglikelihood(self, requests: Sequence[tuple[str, str]]) -> list[tuple[float, bool]]:
