@@ -21,6 +21,7 @@ import numpy as np
 L2WRAP_FACTOR = 1e-4
 
 
+@jax.named_scope("loss")
 def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     """Mean next-token cross-entropy in nats (float32 scalar).
 
@@ -98,6 +99,7 @@ def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
                           with_grad=False)[0]
 
 
+@jax.named_scope("loss")
 def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT,
                    with_grad=True):
     B, T, C = x_BTC.shape

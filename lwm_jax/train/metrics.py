@@ -1,5 +1,5 @@
-"""Training metrics: `metrics.jsonl` (always), TensorBoard (when installed), a tqdm bar, and a
-loss-curve PNG at the end.
+"""Training metrics: the records every tracker gets (`lwm_jax.train.trackers`: metrics.jsonl,
+TensorBoard, Weights & Biases), a tqdm bar, and a loss-curve PNG at the end.
 
 Throughput accounting (MaxText-style): `tokens_per_s` is measured over the steps since the
 previous record (wall clock, data loading included). Model FLOPs per token are `6 * n_params`
@@ -8,22 +8,25 @@ counted), so `tflops = 6 * n_params * tokens_per_s / 1e12` summed over all devic
 `mfu = tflops * 1e12 / (peak_flops_per_device * n_devices)`; `mfu` is null on devices with no
 entry in `PEAK_FLOPS` (CPUs).
 
-Record formats (one strict-JSON object per line; non-finite numbers are written as null):
-  train: {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "elapsed_s",
-          "skipped_steps" (steps so far whose update was skipped: non-finite loss or gradient)
-          [, "loss_scale" with fp16 loss scaling]}
-  eval:  {"step", "val_loss"}
+Record formats (metrics.jsonl: one strict-JSON object per line; non-finite numbers are null):
+  train:  {"step", "loss" (this step's), "loss_mean" (mean of the finite losses of the steps
+           since the previous train record), "lr", "grad_norm", "tokens_per_s", "tflops", "mfu",
+           "elapsed_s", "skipped_steps" (steps so far whose update was skipped: non-finite loss
+           or gradient) [, "loss_scale" with fp16 loss scaling]}
+  eval:   {"step", "val_loss"}
+  config: {"step", "config"} the resolved run config, once per `train` call
 `step` counts optimizer steps completed (the first record after one step has step 1).
 """
 from __future__ import annotations
 
 import json
-import math
-import os
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import jax
+import jax.numpy as jnp
+
+from lwm_jax.train.trackers import JsonlTracker, Tracker, make_trackers
 
 # Dense bf16 peak FLOP/s per chip, matched by substring of `device.device_kind` (lower case).
 PEAK_FLOPS: dict[str, float] = {
@@ -47,68 +50,46 @@ def peak_flops_per_device(device: Any | None = None) -> float | None:
     return None
 
 
-class _TensorBoard:
-    """Scalar writer over tensorboardX, or over the `tensorboard` package's event writer."""
+@jax.jit
+def _accumulate(acc, loss, finite):
+    """(sum, count) of finite losses, plus this step's loss when `finite` > 0 (float32)."""
+    ok = jnp.asarray(finite) > 0
+    return (acc[0] + jnp.where(ok, jnp.asarray(loss, jnp.float32), 0.0),
+            acc[1] + ok.astype(jnp.float32))
 
-    def __init__(self, logdir: str):
-        self._tbx = self._raw = None
-        try:
-            from tensorboardX import SummaryWriter
-            self._tbx = SummaryWriter(logdir)
-            return
-        except ImportError:
-            pass
-        from tensorboard.compat.proto import event_pb2, summary_pb2
-        from tensorboard.summary.writer.event_file_writer import EventFileWriter
-        self._raw, self._event_pb2, self._summary_pb2 = EventFileWriter(logdir), event_pb2, \
-            summary_pb2
 
-    @staticmethod
-    def available() -> bool:
-        for mod in ("tensorboardX", "tensorboard"):
-            try:
-                __import__(mod)
-                return True
-            except ImportError:
-                continue
-        return False
-
-    def scalar(self, tag: str, value: float, step: int) -> None:
-        if self._tbx is not None:
-            self._tbx.add_scalar(tag, value, step)
-            return
-        summary = self._summary_pb2.Summary(
-            value=[self._summary_pb2.Summary.Value(tag=tag, simple_value=value)])
-        self._raw.add_event(self._event_pb2.Event(wall_time=time.time(), step=step,
-                                                  summary=summary))
-
-    def close(self) -> None:
-        (self._tbx or self._raw).close()
+def _local(x: Any) -> Any:
+    """One addressable copy of a replicated scalar: arithmetic on it runs on this process's
+    device only, so process 0 may do it alone in a multi-process run."""
+    return x.addressable_data(0) if isinstance(x, jax.Array) else x
 
 
 class MetricsLogger:
-    """Writes train/eval records and drives the progress bar.
+    """Writes train/eval records to the trackers and drives the progress bar.
 
     Args:
-      run_dir: directory for `metrics.jsonl`, `tb/` and `loss_curve.png`.
+      run_dir: the run directory (trackers write under it; `loss_curve.png` too).
       n_params: parameter count (for FLOP/s).
       tokens_per_step: batch_size * ctx_len (global).
       total_steps / start_step: for the progress bar (start_step > 0 on resume).
       progress: show a tqdm bar (stderr).
       fp16: include loss-scale fields.
       write: False on the processes of a multi-process run other than process 0: nothing is
-        written or shown (records, TensorBoard, bar, eval lines), so each record exists once.
+        written or shown (records, trackers, bar, eval lines), so each record exists once.
+      trackers: the `lwm_jax.train.trackers` objects to write to; None = `metrics.jsonl` and,
+        when tensorboardX is installed, TensorBoard. Closed by `close()`.
     """
 
     def __init__(self, run_dir: str, *, n_params: int, tokens_per_step: int, total_steps: int,
                  start_step: int = 0, progress: bool = True, fp16: bool = False,
-                 write: bool = True):
+                 write: bool = True, trackers: Sequence[Tracker] | None = None):
         from tqdm.auto import tqdm
         self.run_dir, self._echo = run_dir, write
-        self.path = os.path.join(run_dir, "metrics.jsonl") if write else os.devnull
-        self._file = open(self.path, "a", encoding="utf-8")
-        self._tb = (_TensorBoard(os.path.join(run_dir, "tb"))
-                    if write and _TensorBoard.available() else None)
+        if trackers is None and write:
+            trackers = make_trackers(["jsonl", "tensorboard"], run_dir)
+        self._trackers = list(trackers or []) if write else []
+        jsonl = [t for t in self._trackers if isinstance(t, JsonlTracker)]
+        self.path = jsonl[0].path if jsonl else None     # metrics.jsonl, or None without one
         self.n_params, self.tokens_per_step, self.fp16 = n_params, tokens_per_step, fp16
         self.n_devices = jax.device_count()
         self.peak = peak_flops_per_device()
@@ -116,17 +97,38 @@ class MetricsLogger:
                          unit="step", dynamic_ncols=True)
         self._t0 = time.perf_counter()
         self._mark_time, self._mark_step = self._t0, start_step
+        self._acc = None            # device (sum, count) of finite losses since the last record
 
     def reset_timer(self, step: int) -> None:
         """Start throughput timing at `step` (call after the first, compiling, step)."""
         self._mark_time, self._mark_step = time.perf_counter(), step
 
-    def advance(self, n: int = 1) -> None:
+    def advance(self, n: int = 1, metrics: dict[str, Any] | None = None) -> None:
+        """Move the bar by `n` steps; with one step's `metrics` (device scalars `loss`,
+        `finite`), add its loss to the running mean (no device-to-host transfer)."""
         self._bar.update(n)
+        if metrics is not None and self._echo:
+            acc = self._acc or (jnp.zeros([], jnp.float32), jnp.zeros([], jnp.float32))
+            self._acc = _accumulate(acc, _local(metrics["loss"]),
+                                    _local(metrics.get("finite", 1.0)))
+
+    def log_config(self, step: int, config: dict[str, Any]) -> None:
+        """The run config (a plain nested dict), to every tracker, once per `train` call."""
+        for tracker in self._trackers:
+            tracker.log_config(step, config)
 
     def log_train(self, step: int, metrics: dict[str, Any]) -> dict[str, Any]:
-        """Record step `step` (`metrics` may hold device scalars; they are fetched here)."""
+        """Record step `step` (`metrics` may hold device scalars; they are fetched here).
+
+        `loss_mean` is the mean of the finite losses of the steps passed to `advance` since the
+        previous record (None when none were), the smoothed curve beside the raw `loss`.
+        """
         m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+        loss_mean = None
+        if self._acc is not None:
+            total, count = (float(v) for v in jax.device_get(self._acc))
+            loss_mean = total / count if count > 0 else None
+            self._acc = None
         now = time.perf_counter()
         steps = step - self._mark_step
         tok_s = steps * self.tokens_per_step / (now - self._mark_time) if steps > 0 else None
@@ -134,12 +136,12 @@ class MetricsLogger:
         tflops = 6 * self.n_params * tok_s / 1e12 if tok_s else None
         mfu = (tflops * 1e12 / (self.peak * self.n_devices)
                if tflops is not None and self.peak else None)
-        rec = {"step": step, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
-               "tokens_per_s": tok_s, "tflops": tflops, "mfu": mfu,
+        rec = {"step": step, "loss": m["loss"], "loss_mean": loss_mean, "lr": m["lr"],
+               "grad_norm": m["grad_norm"], "tokens_per_s": tok_s, "tflops": tflops, "mfu": mfu,
                "elapsed_s": now - self._t0, "skipped_steps": int(m["skipped_steps"])}
         if self.fp16:
             rec.update(loss_scale=m["loss_scale"])
-        self._write(rec)
+        self._write(rec, "train")
         post = {"loss": f"{m['loss']:.4f}"}
         if tok_s:
             post["tok/s"] = f"{tok_s:,.0f}"
@@ -147,37 +149,33 @@ class MetricsLogger:
         return rec
 
     def log_eval(self, step: int, val_loss: float) -> None:
-        self._write({"step": step, "val_loss": float(val_loss)})
+        self._write({"step": step, "val_loss": float(val_loss)}, "eval")
         if self._echo:
             self._bar.write(f"step {step}: val_loss {float(val_loss):.4f}")
 
-    def _write(self, rec: dict[str, Any]) -> None:
-        # Strict JSON: a non-finite number (fp16 overflow, divergence) is written as null.
-        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in rec.items()}
-        self._file.write(json.dumps(clean, allow_nan=False) + "\n")
-        self._file.flush()
-        if self._tb is not None:
-            for k, v in rec.items():
-                if k != "step" and v is not None and math.isfinite(v):
-                    self._tb.scalar(k if k == "val_loss" else f"train/{k}", v, rec["step"])
+    def _write(self, rec: dict[str, Any], kind: str) -> None:
+        scalars = {k: v for k, v in rec.items() if k != "step"}
+        for tracker in self._trackers:
+            tracker.log_scalars(rec["step"], scalars, kind)
 
     def close(self) -> None:
         self._bar.close()
-        self._file.close()
-        if self._tb is not None:
-            self._tb.close()
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close()
 
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
-    """(train records, eval records) from a metrics.jsonl (later records win on resumed runs)."""
+    """(train records, eval records) from a metrics.jsonl (later records win on resumed runs;
+    config records are skipped)."""
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
             if line.strip():
                 rec = json.loads(line)
-                (evals if "val_loss" in rec else train)[rec["step"]] = rec
+                if "config" not in rec:
+                    (evals if "val_loss" in rec else train)[rec["step"]] = rec
     return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
 
 
@@ -190,7 +188,11 @@ def plot_loss_curve(metrics_path: str, png_path: str, title: str = "") -> str:
     train, evals = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], label="train loss")
+        ax.plot([r["step"] for r in train], [r["loss"] for r in train], alpha=0.5,
+                label="train loss (logged step)")
+        means = [(r["step"], r["loss_mean"]) for r in train if r.get("loss_mean") is not None]
+        if means:
+            ax.plot(*zip(*means), label="train loss (mean since previous record)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
                 label="validation loss")

@@ -114,8 +114,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
         grads = state.loss_scale.unscale(grads)
         finite = all_finite(grads) & jnp.isfinite(loss)
         lr = lr_at(state.step)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
-        params = optax.apply_updates(state.params, updates)
+        with jax.named_scope("optimizer"):
+            updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
+            params = optax.apply_updates(state.params, updates)
         # Non-finite loss or gradient (fp16 overflow, divergence): keep the old params and
         # moments (under fp16 the scale is halved below).
         keep = lambda new, old: jax.tree.map(  # noqa: E731

@@ -5,8 +5,10 @@ restore-if-present (else initialise on the mesh) -> data -> loop (jitted step, m
 validation, checkpoints, stop signals) -> final checkpoint + loss-curve plot.
 
 Run directory (`run_dir`, default `runs/<name>`): `config.yaml` (the resolved config),
-`checkpoints/<step>/`, `metrics.jsonl`, `tb/` (TensorBoard, when installed), `loss_curve.png`.
-Running the same command again resumes from the newest complete checkpoint.
+`checkpoints/<step>/`, the trackers' files (`logging.trackers`: `metrics.jsonl`, `tb/`
+TensorBoard when tensorboardX is installed, `wandb/`), `loss_curve.png`, and `profile/` with
+`train.profile_steps`. Running the same command again resumes from the newest complete
+checkpoint.
 """
 from __future__ import annotations
 
@@ -32,6 +34,8 @@ from lwm_jax.train.distributed import is_primary
 from lwm_jax.train.guard import SkipWatch
 from lwm_jax.train.run_lock import RunDirLock
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
+from lwm_jax.train.profiling import PROFILE_DIR, StepWindowProfiler
+from lwm_jax.train.trackers import check_trackers, make_trackers
 from lwm_jax.train.optimizer import lr_schedule, make_optimizer
 from lwm_jax.train.preflight import compile_step
 from lwm_jax.train.params import count_params, split_model
@@ -149,6 +153,8 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     primary = is_primary()      # process 0 writes the run's records; every process computes
     say = tqdm.write if primary else (lambda _msg: None)
     _check_same_model(os.path.join(run_dir, "config.yaml"), cfg)
+    for note in check_trackers(cfg.logging.trackers):     # wandb missing: refused here
+        say(f"lwm-jax train: {note}")
     ckpt = Checkpointer(cfg.checkpoint_dir, cfg.checkpoint)
     latest = ckpt.latest_step()
     if latest is not None and latest >= t.steps:
@@ -198,9 +204,16 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
                f"precision {policy.name}, mesh {sizes}, data {splits.description}; "
                + (f"resumed at step {start}" if latest is not None else "fresh start")
                + f", training to step {end} of {t.steps}")
+    lg = cfg.logging
+    trackers = (make_trackers(lg.trackers, run_dir, run_name=cfg.name,
+                              wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity)
+                if primary else [])
     logger = MetricsLogger(run_dir, n_params=n_params, tokens_per_step=t.batch_size * t.ctx_len,
                            total_steps=t.steps, start_step=start, progress=progress,
-                           fp16=policy.loss_scale == "dynamic", write=primary)
+                           fp16=policy.loss_scale == "dynamic", write=primary, trackers=trackers)
+    logger.log_config(start, cfg.to_dict())
+    profiler = StepWindowProfiler(t.profile_steps, os.path.join(run_dir, PROFILE_DIR),
+                                  enabled=primary)
     val_loss, last_eval = None, None
     if val is not None and latest is None and t.eval_every > 0:
         val_loss, last_eval = evaluate(state.params), 0
@@ -213,11 +226,13 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     while step < end and stop.requested is None:
         tokens = batches.to_global(next(sampler), step_tokens_sh, t.batch_size, t.grad_accum,
                                    vocab_size=V)
+        profiler.before(step)
         if compiled_step is None:         # compile once; refuse a step that cannot fit
             compiled_step = compile_step(cfg, train_step, state, tokens)
         state, metrics = compiled_step(state, tokens)
+        profiler.after(step, metrics)
         step += 1
-        logger.advance()
+        logger.advance(metrics=metrics)
         if watch.push(step, metrics, tokens):
             stopped_by = "non-finite"
             break
@@ -234,6 +249,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
             with _metrics_kept(logger, step, metrics, logged):
                 ckpt.save(step, state, sampler.state_dict())
+    profiler.close()
     if stopped_by is None and watch.flush():
         stopped_by = "non-finite"
     stopped_by = stopped_by or stop.requested
@@ -251,7 +267,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         val_loss = evaluate(state.params)
         logger.log_eval(step, val_loss)
     logger.close()
-    if primary:
+    if primary and logger.path is not None:
         plot_loss_curve(logger.path, os.path.join(run_dir, "loss_curve.png"), title=cfg.name)
     if stopped_by == "non-finite":
         say(f"lwm-jax train: {diagnosis}; the last finite state is checkpointed at "

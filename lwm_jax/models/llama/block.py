@@ -77,6 +77,7 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, policy, rngs=rngs)
 
 
+@jax.named_scope("attention")
 def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
                       segment_ids_BT=None):
     """One layer's attention on normalised input `x_BTC` -> `([B, T, C], new cache or None)`."""
@@ -94,6 +95,7 @@ def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *
     return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"]), cache
 
 
+@jax.named_scope("mlp")
 def mlp_forward(p: dict, x_BTC, *, policy):
     """SwiGLU `down(silu(gate x) * up x)`; the gate product in float32, cast once."""
     g = policy.einsum("btc,cf->btf", x_BTC, p["gate"], out_dtype=jnp.float32)

@@ -224,6 +224,7 @@ def head_fn(policy: Policy, rms_eps: float = 1e-5):
     """`f(x_BTC, (norm weight, head [C, V])) -> float32 logits`: final RMSNorm with float32
     statistics and output, then the head matmul on float32 operands at the policy's matmul
     precision, as a pure function of its parameters."""
+    @jax.named_scope("head")
     def f(x_BTC, head_params):
         weight, head_CV = head_params
         xn = rms_norm(x_BTC, weight, eps=rms_eps, out_dtype=jnp.float32)

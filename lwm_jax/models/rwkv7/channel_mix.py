@@ -39,6 +39,7 @@ class ChannelMix(nnx.Module):
         self.value = nnx.Param(jnp.zeros((L, F, C), pd), logical_axes=("layers", "mlp", "embed"))
 
 
+@jax.named_scope("channel_mix")
 def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None):
     """One layer's ChannelMix.
 

@@ -268,6 +268,7 @@ def head_fn(policy: Policy):
     """`f(x_BTC, (ln_out weight, ln_out bias, head)) -> float32 logits`: the logits fp32 island
     (LayerNorm with float32 statistics and output, then the head matmul on float32 operands at
     the policy's matmul precision) as a pure function of its parameters."""
+    @jax.named_scope("head")
     def f(x_BTC, head_params):
         weight, bias, head_CV = head_params
         xo = layer_norm(x_BTC, weight, bias, out_dtype=jnp.float32)

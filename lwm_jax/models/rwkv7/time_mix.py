@@ -103,6 +103,7 @@ def _lora(policy, x_BTC, down, up):
     return policy.einsum("btr,rc->btc", policy.einsum("btc,cr->btr", x_BTC, down), up)
 
 
+@jax.named_scope("time_mix")
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
                      segment_ids_BT=None, probe=None, wkv_op=None) -> tuple[Any, Any, Any]:
@@ -157,10 +158,11 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     for name, val in (("r", r4), ("w", heads(w)), ("k", k4), ("v", v4), ("a_in", a_in),
                       ("b_in", b_in), ("a", a), ("g", g)):
         tap(name, val)
-    o, wkv_BHNN = (wkv_op or wkv7)(r4, heads(w), k4, v4, a_in, b_in,
-                       initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
-                       chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
-                       precision=policy.wkv_precision)
+    with jax.named_scope("wkv"):
+        o, wkv_BHNN = (wkv_op or wkv7)(r4, heads(w), k4, v4, a_in, b_in,
+                           initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
+                           chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
+                           precision=policy.wkv_precision)
     o = checkpoint_name(o, OUTPUT_NAME)      # kept by Runtime(remat_policy="save_dots")
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
