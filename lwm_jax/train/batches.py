@@ -17,7 +17,7 @@ from jax.sharding import NamedSharding
 
 from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
 from lwm_jax.data.prepare import read_tokenizer_record
-from lwm_jax.tokenizers import get_tokenizer
+from lwm_jax.tokenizers import ByteTokenizer, WorldTokenizer, get_tokenizer
 from lwm_jax.train.config import DataSection, TrainSection
 from lwm_jax.user_input import short
 
@@ -82,6 +82,28 @@ def check_tokenizer_record(key: str, prefix: str, spec: str, vocab: int | None) 
                          f"prepared with tokenizer {used!r} (vocab_size "
                          f"{record.get('vocab_size')}); set data.tokenizer={used} or re-run "
                          f"lwm-jax prepare --tokenizer {spec}")
+
+
+def eod_id_for(d: DataSection) -> int:
+    """The end-of-document token id of the training data (for
+    `data.reset_at_document_boundary`): the id `lwm-jax prepare` recorded beside `data.path`,
+    else the tokenizer's (0 for byte and World, the embedded corpus included; an `hf:`
+    tokenizer is loaded to find its own). Raises ValueError (one line) when it cannot be
+    known."""
+    if d.path is not None:
+        record = read_tokenizer_record(d.path)
+        if record is not None and isinstance(record.get("eod_id"), int):
+            return int(record["eod_id"])
+    kind = d.tokenizer.partition(":")[0]
+    if kind in ("byte", "world"):
+        return int((ByteTokenizer if kind == "byte" else WorldTokenizer).eod_id)
+    try:
+        return int(get_tokenizer(d.tokenizer).eod_id)
+    except (OSError, ValueError, ImportError) as e:
+        raise ValueError(f"data.reset_at_document_boundary: cannot find the end-of-document "
+                         f"id of data.tokenizer={short(d.tokenizer)} ({short(str(e))}); make "
+                         "the tokenizer loadable or set data.reset_at_document_boundary=false") \
+            from None
 
 
 def _tokenizer_vocab(spec: str) -> int | None:

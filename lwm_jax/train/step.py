@@ -10,6 +10,12 @@ not applied — parameters and Adam moments stay as they were, the step counter 
 (the batch is consumed) and `finite` is 0 in the metrics. A NaN therefore never reaches the
 parameters or a checkpoint; the trainer stops a run whose steps keep failing
 (`train.max_consecutive_skips`) and names the op that produced the first non-finite value.
+
+Packed documents (`data.reset_at_document_boundary`): with an `eod_id`, the steps derive
+segment ids from the inputs' end-of-document tokens (`document_segment_ids`, inside the jitted
+step, sharded like the inputs) and pass them to the model on every path (each micro-batch of
+gradient accumulation, evaluation, the fused loss's features), so the recurrent state (RWKV-7)
+or attention and positions (Llama) restart at every document.
 """
 from __future__ import annotations
 
@@ -58,15 +64,34 @@ def split_tokens(tokens_BT1: jax.Array, mesh: Mesh) -> tuple[jax.Array, jax.Arra
     return inputs, targets
 
 
+def document_segment_ids(inputs_BT: jax.Array, eod_id: int) -> jax.Array:
+    """int32 `[B, T]` packed-document ids of training inputs: the id rises by one AT every
+    end-of-document token. The EOD that closes one document therefore opens the next one's
+    segment (it acts as that document's beginning token: from a fresh state it predicts the
+    document's first token), while the EOD as a target stays with the document it ends.
+    Models never reset at position 0 (a window starts from a zero state anyway)."""
+    return jnp.cumsum(inputs_BT == eod_id, axis=1, dtype=jnp.int32)
+
+
+def _segments(inputs_BT, eod_id: int | None, mesh: Mesh):
+    """`document_segment_ids` sharded like the inputs, or None when `eod_id` is None."""
+    if eod_id is None:
+        return None
+    return jax.lax.with_sharding_constraint(document_segment_ids(inputs_BT, eod_id),
+                                            NamedSharding(mesh, activation_spec()))
+
+
 def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: int,
-               with_grad: bool = True):
-    """Mean next-token cross-entropy of `model` (fused, chunked loss when `loss_chunk` > 0)."""
+               with_grad: bool = True, segment_ids_BT=None):
+    """Mean next-token cross-entropy of `model` (fused, chunked loss when `loss_chunk` > 0);
+    `segment_ids_BT`: optional packed-document ids passed to the model."""
     if loss_chunk <= 0:
-        logits_BTV = model(inputs_BT)
+        logits_BTV = model(inputs_BT, segment_ids=segment_ids_BT)
         if not with_grad:
             return cross_entropy(logits_BTV, targets_BT)
         return lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
-    x_BTC, fn, hp = model.features(inputs_BT), loss_head(model), model.head_params()
+    x_BTC = model.features(inputs_BT, segment_ids=segment_ids_BT)
+    fn, hp = loss_head(model), model.head_params()
     if not with_grad:
         return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk)
     return fused_lm_loss(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
@@ -75,11 +100,14 @@ def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: in
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,
                     lr_at: Callable, *, grad_accum: int, use_l2wrap: bool, mesh: Mesh,
-                    state_shardings: Any, loss_chunk: int = 0) -> Callable:
+                    state_shardings: Any, loss_chunk: int = 0,
+                    eod_id: int | None = None) -> Callable:
     """Build `step(state, tokens) -> (state, metrics)`, jitted with explicit shardings.
 
     tokens: int `[B, T+1]` when `grad_accum == 1`, else `[grad_accum, B/grad_accum, T+1]`.
     loss_chunk: tokens per chunk of the fused loss (`train.loss_chunk`; 0 = unfused).
+    eod_id: end-of-document token id: restart the model at every document of each window
+      (`document_segment_ids`); None = documents flow into each other (RWKV-LM's way).
     metrics: dict of float32 scalars `loss` (mean cross-entropy, nats), `grad_norm` (global norm
       of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied,
       0 = skipped: non-finite loss or gradient), `skipped_steps` (steps skipped so far).
@@ -89,7 +117,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
     def loss_fn(params, tokens_BT1, loss_scale):
         inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
         loss = model_loss(nnx.merge(graphdef, params), inputs_BT, targets_BT,
-                          use_l2wrap=use_l2wrap, loss_chunk=loss_chunk)
+                          use_l2wrap=use_l2wrap, loss_chunk=loss_chunk,
+                          segment_ids_BT=_segments(inputs_BT, eod_id, mesh))
         return loss_scale.scale_loss(loss), loss
 
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
@@ -141,13 +170,15 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
 
 
 def make_eval_step(graphdef: nnx.GraphDef, *, mesh: Mesh, params_shardings: Any,
-                   loss_chunk: int = 0) -> Callable:
-    """Build `eval_loss(params, tokens_BT1) -> float32 mean cross-entropy`, jitted."""
+                   loss_chunk: int = 0, eod_id: int | None = None) -> Callable:
+    """Build `eval_loss(params, tokens_BT1) -> float32 mean cross-entropy`, jitted (`eod_id`
+    as in `make_train_step`)."""
 
     def eval_loss(params, tokens_BT1):
         inputs_BT, targets_BT = split_tokens(tokens_BT1, mesh)
         return model_loss(nnx.merge(graphdef, params), inputs_BT, targets_BT, use_l2wrap=False,
-                          loss_chunk=loss_chunk, with_grad=False)
+                          loss_chunk=loss_chunk, with_grad=False,
+                          segment_ids_BT=_segments(inputs_BT, eod_id, mesh))
 
     return jax.jit(eval_loss, in_shardings=(params_shardings, tokens_sharding(mesh)),
                    out_shardings=replicated(mesh))

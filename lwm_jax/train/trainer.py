@@ -118,11 +118,12 @@ def build_program(cfg: RunConfig) -> TrainProgram:
     state_sh = dataclasses.replace(
         jax.tree.map(lambda _: replicated(mesh), abstract_state), params=params_sh,
         opt_state=shard_like_params(abstract_state.opt_state, abstract_params, params_sh, mesh))
+    eod_id = batches.eod_id_for(cfg.data) if cfg.data.reset_at_document_boundary else None
     train_step = make_train_step(graphdef, tx, lr_at, grad_accum=t.grad_accum,
                                  use_l2wrap=t.l2wrap, mesh=mesh, state_shardings=state_sh,
-                                 loss_chunk=t.loss_chunk)
+                                 loss_chunk=t.loss_chunk, eod_id=eod_id)
     eval_step = make_eval_step(graphdef, mesh=mesh, params_shardings=params_sh,
-                               loss_chunk=t.loss_chunk)
+                               loss_chunk=t.loss_chunk, eod_id=eod_id)
     return TrainProgram(cfg, policy, sizes, mesh, graphdef, axes, tx, lr_at, fresh_state,
                         abstract_state, state_sh, params_sh, train_step, eval_step)
 
