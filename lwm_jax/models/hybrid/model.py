@@ -46,7 +46,7 @@ from lwm_jax.models.llama.block import Attention, attention_forward
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
-from lwm_jax.models.rwkv7.model import head_fn, remat_policy
+from lwm_jax.models.rwkv7.model import _sequence_parallel_wkv, head_fn, remat_policy
 from lwm_jax.precision import Policy, parse_policy
 from lwm_jax.runtime import Runtime
 
@@ -91,8 +91,9 @@ class RWKVHybrid(nnx.Module):
       cfg: `HybridConfig` (`self.cfg` holds the resolved copy).
       policy: `Policy` or preset string.
       runtime: `Runtime` (WKV implementation, chunk, remat); None = defaults.
-      mesh: accepted for the trainer's sake; a mesh whose `sequence` axis has more than one
-        device is refused.
+      mesh: the device mesh, or None. With more than one device the RWKV layers' WKV runs
+        per device inside a `shard_map` (as in `RWKV7`); a mesh whose `sequence` axis has more
+        than one device is refused.
       rngs: `nnx.Rngs`.
     """
 
@@ -103,6 +104,7 @@ class RWKVHybrid(nnx.Module):
         if mesh is not None and mesh.shape.get("sequence", 1) > 1:
             raise ValueError("mesh.sequence: a hybrid model cannot shard the sequence yet (its "
                              "attention layers have no ring attention); set mesh.sequence=1")
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
@@ -192,9 +194,12 @@ class RWKVHybrid(nnx.Module):
                           jnp.zeros((B, H, N, N), jnp.float32))
         shape = _attention_shape(c, len(c.attention_layers))
 
+        wkv_op = None if self.mesh is None else _sequence_parallel_wkv(self.mesh)
+
         def rwkv_layer(p, x, v_first, seg, first, layer_probe=None):
             x, v_first, _ = block_forward(p, x, v_first, zero, first=first, cfg=c, policy=policy,
-                                          runtime=rt, segment_ids_BT=seg, probe=layer_probe)
+                                          runtime=rt, segment_ids_BT=seg, probe=layer_probe,
+                                          wkv_op=wkv_op)
             return x, v_first
 
         def attention_layer(p, x, seg, layer_probe=None):
