@@ -96,12 +96,19 @@ class DataSection:
     """Training data.
 
     path: prefix of a binidx pair (`<path>.bin` + `<path>.idx`), or null for the embedded default
-      corpus (Python standard-library sources, byte-level tokenised, with a held-out split).
+      corpus (Python standard-library sources, byte-level tokenised, with a held-out split), or
+      text tokenised on the fly (`lwm_jax.data.text_sources`): a directory of / a `.jsonl`,
+      `.parquet` or `.txt` file, or `hf:<dataset>[:<config>[:<split>]]` (streamed `datasets`).
     val_path: prefix of a separate validation binidx pair; null = hold out `val_fraction` of
       `path`'s documents.
     tokenizer: "byte", "world[:vocab_path]" or "hf:path/to/tokenizer.json"; it must match the
       tokenizer the binidx was written with (only its vocabulary size is used in training).
-    val_fraction: fraction of documents held out for validation when `val_path` is null.
+    val_fraction: fraction of documents held out for validation when `val_path` is null (binidx
+      `path` only; text sources take their validation from `val_path`).
+    sources / weights: a weighted mixture instead of `path`: any of the `path` forms above, and
+      one positive weight each (empty = equal weights); each batch row picks a source by a
+      seeded draw (`lwm_jax.data.mixture`).
+    text_key: the field (`.jsonl`, `datasets`) or column (`.parquet`) holding the text.
     reset_at_document_boundary: restart the model's state at every document inside a training
       window: segment ids from the end-of-document token (the tokenizer's `eod_id`, 0 for byte
       and World) reset the RWKV-7 state and token shift, and confine Llama attention and RoPE
@@ -114,6 +121,9 @@ class DataSection:
     tokenizer: str = "byte"
     val_fraction: float = 0.05
     reset_at_document_boundary: bool = False
+    sources: tuple[str, ...] = ()
+    weights: tuple[float, ...] = ()
+    text_key: str = "text"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -323,15 +333,7 @@ def _check_values(cfg: RunConfig) -> None:
                                   f"{t.grad_accum}")
     if not 0.0 <= d.val_fraction < 1.0:
         _fail("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
-    for key, prefix in (("data.path", d.path), ("data.val_path", d.val_path)):
-        if prefix is not None:
-            for ext in (".bin", ".idx"):
-                if not os.path.isfile(binidx_prefix(prefix) + ext):
-                    _fail(key, f"{_key(binidx_prefix(prefix) + ext, 240)} not found; give the "
-                               "prefix of a binidx pair (<prefix>.bin + <prefix>.idx), or null "
-                               "for the embedded corpus")
-    if d.val_path is not None and d.path is None:
-        _fail("data.val_path", "needs data.path too (the embedded corpus has its own split)")
+    _check_data_sources(d)
     sizes = dataclasses.asdict(m)
     for axis, size in sizes.items():
         if size != -1 and size < 1:
@@ -340,6 +342,35 @@ def _check_values(cfg: RunConfig) -> None:
         _fail("mesh", "at most one axis may be -1")
     if not cfg.name or "/" in cfg.name:
         _fail("name", f"must be a non-empty name without '/', got {short(cfg.name)}")
+
+
+def _check_data_sources(d: DataSection) -> None:
+    from lwm_jax.data.text_sources import source_kind
+    if d.sources and d.path is not None:
+        _fail("data.sources", "set data.path or data.sources, not both (data.path=null)")
+    if d.weights and len(d.weights) != len(d.sources):
+        _fail("data.weights", f"{len(d.weights)} weights for {len(d.sources)} data.sources; give "
+                              "one per source, or none for equal weights")
+    for i, w in enumerate(d.weights):
+        if w <= 0:
+            _fail(f"data.weights[{i}]", f"must be > 0, got {w}")
+    named = [("data.path", d.path)] if d.path is not None else []
+    named += [(f"data.sources[{i}]", spec) for i, spec in enumerate(d.sources)]
+    named += [("data.val_path", d.val_path)] if d.val_path is not None else []
+    for key, spec in named:
+        kind = source_kind(spec) if key != "data.val_path" else "binidx"
+        if kind == "text" and not os.path.exists(spec):
+            _fail(key, f"{_key(spec, 240)} not found; give a directory or a .jsonl, .parquet or "
+                       ".txt file")
+        if kind == "binidx":
+            for ext in (".bin", ".idx"):
+                if not os.path.isfile(binidx_prefix(spec) + ext):
+                    _fail(key, f"{_key(binidx_prefix(spec) + ext, 240)} not found; give the "
+                               "prefix of a binidx pair (<prefix>.bin + <prefix>.idx), a "
+                               "directory or .jsonl/.parquet/.txt file of text, hf:<dataset>, "
+                               "or null for the embedded corpus")
+    if d.val_path is not None and d.path is None and not d.sources:
+        _fail("data.val_path", "needs data.path too (the embedded corpus has its own split)")
 
 
 def _check_trackers(names: tuple[str, ...]) -> None:

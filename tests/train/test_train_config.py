@@ -129,8 +129,17 @@ def test_run_name_defaults_to_file_stem(tmp_path):
     (["train.batch_size=6", "train.grad_accum=4"],
      "train.batch_size: 6 is not divisible by train.grad_accum=4"),
     (["data.path=/no/such/data"], "data.path: /no/such/data.bin not found; give the prefix of "
-                                  "a binidx pair (<prefix>.bin + <prefix>.idx), or null for the "
-                                  "embedded corpus"),
+                                  "a binidx pair (<prefix>.bin + <prefix>.idx), a directory or "
+                                  ".jsonl/.parquet/.txt file of text, hf:<dataset>, or null for "
+                                  "the embedded corpus"),
+    (["data.path=/no/such/corpus.jsonl"], "data.path: /no/such/corpus.jsonl not found; give a "
+                                          "directory or a .jsonl, .parquet or .txt file"),
+    (["data.sources=[hf:a, hf:b]", "data.weights=[1.0]"],
+     "data.weights: 1 weights for 2 data.sources; give one per source, or none for equal "
+     "weights"),
+    (["data.sources=[hf:a, hf:b]", "data.weights=[1.0, 0]"], "data.weights[1]: must be > 0"),
+    (["data.sources=[hf:a]", "data.path=hf:b"], "data.sources: set data.path or data.sources, "
+                                                "not both"),
     (["precision=fp8"], "precision: unknown preset 'fp8'"),
     (["model.n_embd=100"], "model.n_embd: 100 is not a multiple of model.head_size=64"),
     (["mesh.fsdp=0"], "mesh.fsdp: must be >= 1 or -1 (= the remaining devices), got 0"),

@@ -1,0 +1,199 @@
+"""Text documents for on-the-fly tokenisation, read in a fixed order from a resumable position.
+
+A source is named by one string (`data.path` or an entry of `data.sources`):
+
+| spec                                | kind     | documents                                       |
+|-------------------------------------|----------|-------------------------------------------------|
+| `corpus/` (a directory)             | `text`   | every `.jsonl`, `.parquet`, `.txt` file under it, sorted by path |
+| `a.jsonl`, `a.parquet`, `a.txt`     | `text`   | that file                                       |
+| `hf:<name or dir>[:<config>[:<split>]]` | `hf` | a Hugging Face `datasets` dataset, streamed (split `train` by default) |
+| anything else                       | `binidx` | a prepared `<prefix>.bin` / `.idx` pair (not read here) |
+
+Documents: a `.jsonl` line's `text_key` field (blank lines skipped), a `.parquet` row's
+`text_key` column, a whole `.txt` file, a `datasets` example's `text_key` field.
+
+Positions (JSON-able, saved in checkpoints, so a resumed run reads exactly on):
+  * text files: `{"epoch", "file", "offset"}`: epoch e reads the files in the order
+    `permute(range(n), n, key(seed, e))` (epoch 0 too), `file` indexes that order, `offset` is a
+    byte offset (.jsonl), a row index (.parquet) or 0 / 1 (.txt, before / after its document);
+  * `datasets`: `{"epoch", "state"}` with the dataset's own `state_dict()` (datasets >= 2.18).
+Reaching the end of the data starts the next epoch. Nothing here tokenises
+(`lwm_jax.data.stream` does).
+"""
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+
+from lwm_jax.data.permutation import derive_key, permute
+
+TEXT_SUFFIXES = (".jsonl", ".parquet", ".txt")
+HF_PREFIX = "hf:"
+
+
+def source_kind(spec: str) -> str:
+    """`"hf"`, `"text"` or `"binidx"` for a source spec (see the module docstring); reads
+    nothing but the file system's entry for `spec`."""
+    if spec.startswith(HF_PREFIX):
+        return "hf"
+    if os.path.isdir(spec) or os.path.splitext(spec)[1] in TEXT_SUFFIXES:
+        return "text"
+    return "binidx"
+
+
+def text_files(spec: str, key: str = "data.path") -> list[Path]:
+    """The files of a `text` source: the file itself, or the sorted `.jsonl`/`.parquet`/`.txt`
+    files under a directory. ValueError (one line naming `key`) when there are none."""
+    p = Path(spec).expanduser()
+    if p.is_dir():
+        found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES)
+        if not found:
+            raise ValueError(f"{key}: directory {spec} holds no {', '.join(TEXT_SUFFIXES)} files")
+        return found
+    if not p.is_file():
+        raise ValueError(f"{key}: {spec} not found; give a directory or a "
+                         f"{', '.join(TEXT_SUFFIXES)} file")
+    return [p]
+
+
+class FileDocuments:
+    """Documents of text files, epoch after epoch (module docstring: order and positions)."""
+
+    def __init__(self, files: list[Path], *, text_key: str = "text", seed: int = 0):
+        self.files, self.text_key, self.seed = list(files), text_key, int(seed)
+        self.name = ",".join(str(f) for f in self.files)
+
+    def start(self) -> dict[str, int]:
+        return {"epoch": 0, "file": 0, "offset": 0}
+
+    def order(self, epoch: int) -> np.ndarray:
+        n = len(self.files)
+        return permute(np.arange(n), n, derive_key(self.seed, epoch, 3))
+
+    def read(self, pos: dict[str, Any]) -> Iterator[tuple[str, dict[str, int]]]:
+        """Yields `(text, position after it)` from `pos` on, forever (epoch after epoch)."""
+        epoch, index, offset = int(pos["epoch"]), int(pos["file"]), int(pos["offset"])
+        while True:
+            order = self.order(epoch)
+            found = False
+            for k in range(index, len(order)):
+                path = self.files[int(order[k])]
+                for text, after in _file_documents(path, self.text_key, offset if k == index
+                                                   else 0):
+                    found = True
+                    yield text, {"epoch": epoch, "file": k, "offset": after}
+            if not found and index == 0 and offset == 0:
+                raise ValueError(f"data: no documents in {self.name[:200]} (field "
+                                 f"{self.text_key!r})")
+            epoch, index, offset = epoch + 1, 0, 0
+
+
+def _file_documents(path: Path, text_key: str, offset: int) -> Iterator[tuple[str, int]]:
+    """`(text, offset after it)` of one file from `offset` on; empty documents are skipped."""
+    if path.suffix == ".txt":
+        if offset == 0:
+            try:
+                text = path.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ValueError(f"{path}: not valid UTF-8 at byte {e.start}") from None
+            if text:
+                yield text, 1
+        return
+    if path.suffix == ".parquet":
+        yield from _parquet_documents(path, text_key, offset)
+        return
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for raw in f:
+            where = f"{path} at byte {offset}"
+            offset += len(raw)
+            if not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise ValueError(f"{where}: invalid JSON line ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
+                raise ValueError(f"{where}: no string field {text_key!r} (set data.text_key)")
+            if obj[text_key]:
+                yield obj[text_key], offset
+
+
+def _parquet_documents(path: Path, text_key: str, row: int) -> Iterator[tuple[str, int]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") \
+            from None
+    pf = pq.ParquetFile(path)
+    if text_key not in pf.schema_arrow.names:
+        raise ValueError(f"{path}: no column {text_key!r} (columns: "
+                         f"{', '.join(pf.schema_arrow.names[:8])}); set data.text_key")
+    first = 0
+    for g in range(pf.num_row_groups):
+        n = pf.metadata.row_group(g).num_rows
+        if first + n > row:
+            texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            for i in range(max(row - first, 0), n):
+                if texts[i]:
+                    yield texts[i], first + i + 1
+        first += n
+
+
+class HFDocuments:
+    """Examples of a Hugging Face `datasets` dataset, streamed (`load_dataset(..., streaming=
+    True)`): `hf:<name or local dir>[:<config>[:<split>]]`."""
+
+    def __init__(self, spec: str, *, text_key: str = "text", key: str = "data.path"):
+        parts = spec[len(HF_PREFIX):].split(":")
+        if not parts[0] or len(parts) > 3:
+            raise ValueError(f"{key}: {spec!r} is not hf:<name>[:<config>[:<split>]]")
+        self.path, self.config = parts[0], (parts[1] or None) if len(parts) > 1 else None
+        self.split = parts[2] if len(parts) > 2 and parts[2] else "train"
+        self.text_key, self.name, self.key = text_key, spec, key
+        if importlib.util.find_spec("datasets") is None:
+            raise ValueError(f"{key}: {spec} needs the datasets package (pip install datasets)")
+
+    def _open(self):
+        import datasets
+        try:
+            return datasets.load_dataset(self.path, self.config, split=self.split,
+                                         streaming=True)
+        except Exception as err:          # datasets raises many classes; one line here
+            raise ValueError(f"{self.key}: cannot stream {self.name} "
+                             f"({type(err).__name__}: {str(err)[:200]})") from None
+
+    def start(self) -> dict[str, Any]:
+        return {"epoch": 0, "state": None}
+
+    def read(self, pos: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        epoch, state = int(pos["epoch"]), pos["state"]
+        while True:
+            ds, found = self._open(), False
+            if state is not None:
+                ds.load_state_dict(state)
+            for example in ds:
+                text = example.get(self.text_key) if isinstance(example, dict) else None
+                if not isinstance(text, str):
+                    raise ValueError(f"{self.name}: an example has no string field "
+                                     f"{self.text_key!r}; set data.text_key")
+                found = True
+                if text:    # a copy: the dataset keeps updating its own state dict
+                    yield text, {"epoch": epoch, "state": copy.deepcopy(ds.state_dict())}
+            if not found and state is None:
+                raise ValueError(f"{self.key}: {self.name} has no examples")
+            epoch, state = epoch + 1, None
+
+
+def open_documents(spec: str, *, text_key: str = "text", seed: int = 0,
+                   key: str = "data.path") -> FileDocuments | HFDocuments:
+    """The document reader of a `text` or `hf` source spec."""
+    if source_kind(spec) == "hf":
+        return HFDocuments(spec, text_key=text_key, key=key)
+    return FileDocuments(text_files(spec, key), text_key=text_key, seed=seed)
