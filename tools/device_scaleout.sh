@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Scale-out measurements on a 2-GPU machine (nvidia-h200-x2), one device call (< 10 min):
+#
+#   bash tools/device_scaleout.sh            # rows in $OUT/scaleout.jsonl
+#
+# 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
+#    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
+# 2. FSDP: an RWKV-7 of ~7B (L32 D4096) at batch 2 x 4096 on one GPU (expected not to fit)
+#    and with mesh.fsdp=2 on two.
+# 3. Sequence parallelism: the 0.1B model at 1,048,576 tokens of context, mesh.sequence=2.
+set -uo pipefail
+OUT=${OUT:-/tmp/lwm-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+rows="$OUT/scaleout.jsonl"
+case_() {   # case_ TIMEOUT GPUS train_step.py-args...
+  local t=$1 gpus=$2; shift 2
+  CUDA_VISIBLE_DEVICES=$gpus timeout "$t" python3 benchmarks/train_step.py --out "$rows" "$@" \
+    2>&1 | grep '^{' | cut -c1-600
+}
+BIG="model.n_layer=32 model.n_embd=4096 runtime.remat=true runtime.scan_layers=true"
+case_ 110 0   --models 0.1b --steps 8
+case_ 120 0,1 --models 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
+case_ 80  0   --models 1.5b --steps 6
+case_ 90  0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+case_ 100 0,1 --models 0.1b --steps 2 --warmup 1 --set train.batch_size=1 train.ctx_len=1048576 \
+  runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
+case_ 60  0   --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG
+case_ 120 0,1 --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG mesh.data=1 mesh.fsdp=2
