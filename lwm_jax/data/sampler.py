@@ -130,6 +130,10 @@ class WindowSampler:
 
     def load_state_dict(self, state: dict) -> None:
         """Restores `step`; refuses a state from a different seed / data / batch / context."""
+        if "sources" in state:
+            raise ValueError("data: the checkpoint's batches came from data.sources / text "
+                             "sources, this run reads one binidx file; resume with the same data "
+                             "settings or choose a new run_dir")
         missing = [k for k in ("step",) if k not in state]
         if missing:
             raise ValueError(f"sampler state lacks key(s) {missing}; expected keys {_STATE_KEYS}")

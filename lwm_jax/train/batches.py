@@ -1,8 +1,11 @@
 """From the `data` config section to global token batches on the mesh.
 
-Train batches come from a shuffled `WindowSampler` (state = its step, saved in checkpoints);
-validation uses a fixed, unshuffled sampler over the held-out tokens, so every evaluation scores
-the same windows. Each host reads only its rows of the global batch (`jax.process_index()`),
+Train batches come from a shuffled `WindowSampler` over a binidx file or the embedded corpus
+(state = its step, saved in checkpoints), or, for text tokenised on the fly and for weighted
+mixtures (`data.path` naming text, `data.sources`), from a `MixtureSampler` over
+`TokenWindows` / `PermutedWindows` sources (state = its step and every source's position).
+Validation uses a fixed, unshuffled sampler over held-out binidx tokens, so every evaluation
+scores the same windows. Each host reads only its rows of the global batch (`jax.process_index()`),
 and `jax.make_array_from_process_local_data` assembles the global array.
 """
 from __future__ import annotations
@@ -16,7 +19,11 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_corpus
+from lwm_jax.data.mixture import MixtureSampler
+from lwm_jax.data.permutation import derive_key
 from lwm_jax.data.prepare import read_tokenizer_record
+from lwm_jax.data.stream import PermutedWindows, TokenWindows
+from lwm_jax.data.text_sources import open_documents, source_kind
 from lwm_jax.tokenizers import ByteTokenizer, WorldTokenizer, get_tokenizer
 from lwm_jax.train.config import DataSection, TrainSection
 from lwm_jax.user_input import short
@@ -65,6 +72,61 @@ def load_splits(d: DataSection, model: Any) -> TokenSplits:
         train, val = ds.tokens, None
     desc = f"{d.path} ({len(train):,} train / {0 if val is None else len(val):,} val tokens)"
     return TokenSplits(train, val, desc)
+
+
+@dataclasses.dataclass
+class TrainData:
+    """The run's data: `sampler` (`WindowSampler` or `MixtureSampler`: `next()`, `step`,
+    `state_dict()`), `val` (a validation `WindowSampler` or None), a one-line description."""
+
+    sampler: Any
+    val: WindowSampler | None
+    description: str
+
+
+def train_data(d: DataSection, model: Any, t: TrainSection) -> TrainData:
+    """Samplers for the `data` section (see the module docstring). ValueError (one line naming
+    the key) for data that cannot be read or does not fit the tokenizer or the model."""
+    if not d.sources and (d.path is None or source_kind(d.path) == "binidx"):
+        splits = load_splits(d, model)
+        val = val_sampler(splits.val, t) if splits.val is not None else None
+        return TrainData(train_sampler(splits.train, t), val, splits.description)
+    vocab = _tokenizer_vocab(d.tokenizer)
+    if vocab is not None and vocab > model.vocab_size:
+        raise ValueError(f"model.vocab_size: {model.vocab_size} is smaller than the "
+                         f"{d.tokenizer!r} tokenizer's vocabulary ({vocab})")
+    specs = list(d.sources) or [d.path]
+    keys = [f"data.sources[{i}]" for i in range(len(d.sources))] or ["data.path"]
+    sources, tokenizer = [], None
+    for i, (key, spec) in enumerate(zip(keys, specs)):
+        if source_kind(spec) == "binidx":
+            check_tokenizer_record(key, spec, d.tokenizer, vocab)
+            try:
+                sources.append(PermutedWindows(BinIdxDataset(spec).tokens, t.ctx_len,
+                                               seed=derive_key(t.seed, i, 4), name=spec))
+            except ValueError as e:
+                raise ValueError(f"{key}: too small: {e}") from None
+            continue
+        if tokenizer is None:
+            try:
+                tokenizer = get_tokenizer(d.tokenizer)
+            except (OSError, ValueError, ImportError) as e:
+                raise ValueError(f"data.tokenizer: cannot load {short(d.tokenizer)} to tokenise "
+                                 f"{key} ({short(str(e))})") from None
+        docs = open_documents(spec, text_key=d.text_key, seed=t.seed, key=key)
+        sources.append(TokenWindows(docs, tokenizer, t.ctx_len))
+    weights = list(d.weights) or [1.0] * len(sources)
+    sampler = MixtureSampler(sources, weights, global_batch_size=t.batch_size, seed=t.seed,
+                             host_index=jax.process_index(), host_count=jax.process_count())
+    val = None
+    if d.val_path is not None:
+        check_tokenizer_record("data.val_path", d.val_path, d.tokenizer, vocab)
+        val = val_sampler(BinIdxDataset(d.val_path).tokens, t)
+    mix = ", ".join(f"{short(s)} x{w / sum(weights):.2f}" for s, w in zip(specs, weights))
+    desc = (f"{mix} ({'tokenised on the fly by ' + d.tokenizer if tokenizer else 'binidx'}; "
+            + (f"validation {d.val_path})" if val is not None else "no validation: set "
+               "data.val_path)"))
+    return TrainData(sampler, val, desc)
 
 
 def check_tokenizer_record(key: str, prefix: str, spec: str, vocab: int | None) -> None:

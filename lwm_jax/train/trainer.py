@@ -178,11 +178,10 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract_state, state_sh))
 
     # Data.
-    splits = batches.load_splits(cfg.data, cfg.model)
-    sampler = batches.train_sampler(splits.train, t)
+    data = batches.train_data(cfg.data, cfg.model, t)
+    sampler, val = data.sampler, data.val
     if data_state is not None:
         sampler.load_state_dict(data_state)
-    val = batches.val_sampler(splits.val, t) if splits.val is not None else None
     n_eval = min(t.eval_batches, val.steps_per_epoch) if val is not None else 0
 
     train_step, eval_step = prog.train_step, prog.eval_step
@@ -202,7 +201,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     end = t.steps if stop_after is None else min(t.steps, start + stop_after)
     n_params = count_params(abstract_state.params)
     say(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
-               f"precision {policy.name}, mesh {sizes}, data {splits.description}; "
+               f"precision {policy.name}, mesh {sizes}, data {data.description}; "
                + (f"resumed at step {start}" if latest is not None else "fresh start")
                + f", training to step {end} of {t.steps}")
     lg = cfg.logging

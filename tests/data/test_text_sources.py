@@ -1,0 +1,143 @@
+"""Text read on the fly (JSONL / Parquet / txt directories, Hugging Face `datasets` streamed)
+and weighted mixtures: deterministic order, exact resume from a saved state, the tokenizer
+recorded in the state and a mismatch refused."""
+import json
+
+import numpy as np
+import pytest
+
+from lwm_jax.data import write_binidx
+from lwm_jax.data.mixture import MixtureSampler
+from lwm_jax.data.stream import PermutedWindows, TokenWindows
+from lwm_jax.data.text_sources import open_documents, source_kind
+from lwm_jax.tokenizers import get_tokenizer
+
+T = 16
+
+
+def write_corpus(root, n_files=3, docs_per_file=5, seed=0):
+    """`root/` with .jsonl files (a blank line each) and one .parquet file; returns every
+    document's text by file name."""
+    rng = np.random.default_rng(seed)
+    root.mkdir(parents=True, exist_ok=True)
+    texts = {}
+    for f in range(n_files):
+        docs = ["".join(chr(c) for c in rng.integers(97, 123, rng.integers(3, 40)))
+                for _ in range(docs_per_file)]
+        lines = [json.dumps({"text": t, "id": i}) for i, t in enumerate(docs)]
+        (root / f"part-{f}.jsonl").write_text("\n".join(lines[:2] + [""] + lines[2:]) + "\n")
+        texts[f"part-{f}.jsonl"] = docs
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    docs = [f"parquet document {i} " * (i + 1) for i in range(7)]
+    pq.write_table(pa.table({"text": docs}), root / "z.parquet", row_group_size=3)
+    texts["z.parquet"] = docs
+    return texts
+
+
+def windows(source, n):
+    return np.stack([source.next_window() for _ in range(n)])
+
+
+def test_source_kinds(tmp_path):
+    (tmp_path / "d").mkdir()
+    assert source_kind(str(tmp_path / "d")) == "text"
+    assert source_kind("x/y.jsonl") == "text" and source_kind("x/y.parquet") == "text"
+    assert source_kind("hf:wikitext:wikitext-2-raw-v1") == "hf"
+    assert source_kind("data/train") == "binidx" and source_kind("data/train.bin") == "binidx"
+
+
+def test_files_are_read_in_a_seeded_order_and_every_document_once_per_epoch(tmp_path):
+    texts = write_corpus(tmp_path / "c")
+    docs = open_documents(str(tmp_path / "c"), seed=3)
+    names = [f.name for f in docs.files]
+    assert names == sorted(texts)
+    want_epoch = [t for k in docs.order(0) for t in texts[names[k]]]
+    reader = docs.read(docs.start())
+    got = [next(reader)[0] for _ in range(2 * len(want_epoch))]
+    assert got[:len(want_epoch)] == want_epoch               # epoch 0, blank lines skipped
+    assert sorted(got[len(want_epoch):]) == sorted(want_epoch)   # epoch 1: the same documents
+    assert list(docs.order(0)) != list(docs.order(1)) or len(names) < 3
+
+
+def test_token_windows_resume_exactly_and_refuse_another_tokenizer(tmp_path):
+    write_corpus(tmp_path / "c")
+    byte = get_tokenizer("byte")
+    make = lambda: TokenWindows(open_documents(str(tmp_path / "c"), seed=1), byte, T)  # noqa
+    full = windows(make(), 40)
+    first = make()
+    head = windows(first, 17)
+    state = json.loads(json.dumps(first.state_dict()))      # as a checkpoint stores it
+    second = make()
+    second.load_state_dict(state)
+    np.testing.assert_array_equal(np.concatenate([head, windows(second, 23)]), full)
+    # windows are the concatenated documents + EOD, consecutive windows share one token
+    assert (full[1:, 0] == full[:-1, -1]).all()
+    stream = np.concatenate([full[0], *[w[1:] for w in full[1:]]])
+    docs = open_documents(str(tmp_path / "c"), seed=1).read({"epoch": 0, "file": 0,
+                                                              "offset": 0})
+    expect = []
+    while len(expect) < len(stream):
+        expect += list(next(docs)[0].encode()) + [0]
+    np.testing.assert_array_equal(stream, expect[:len(stream)])
+    with pytest.raises(ValueError, match=r"^data.tokenizer: the checkpoint's data of .* was "
+                                         r"tokenised with 'byte', this run uses 'other'"):
+        other = make()
+        other.tokenizer = type("Tok", (), {"name": "other", "eod_id": 0})()
+        other.load_state_dict(state)
+
+
+def test_hf_datasets_stream_resumes_exactly(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")               # a local directory: no network
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("datasets")
+    texts = write_corpus(tmp_path / "hub", n_files=2)
+    (tmp_path / "hub" / "z.parquet").unlink()           # one format per local dataset
+    spec = f"hf:{tmp_path / 'hub'}"
+    byte = get_tokenizer("byte")
+    make = lambda: TokenWindows(open_documents(spec), byte, T)  # noqa: E731
+    full = windows(make(), 12)
+    first = make()
+    head = windows(first, 5)
+    second = make()
+    second.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    np.testing.assert_array_equal(np.concatenate([head, windows(second, 7)]), full)
+    all_bytes = b"".join(t.encode() + b"\0" for f in sorted(texts) for t in texts[f])
+    assert bytes(full[0].astype(np.uint8)) == all_bytes[:T + 1]
+
+
+def test_mixture_is_seeded_weighted_and_resumes_exactly(tmp_path):
+    write_corpus(tmp_path / "c")
+    prefix = str(tmp_path / "bin")
+    write_binidx(prefix, [np.full(50, 200 + i) for i in range(8)], np.uint16, append_eod=True)
+    tokens = np.fromfile(prefix + ".bin", np.uint16)
+    byte = get_tokenizer("byte")
+
+    def make(host_index=0, host_count=1):
+        sources = [TokenWindows(open_documents(str(tmp_path / "c")), byte, T),
+                   PermutedWindows(tokens, T, seed=5, name=prefix)]
+        return MixtureSampler(sources, [3.0, 1.0], global_batch_size=8, seed=7,
+                              host_index=host_index, host_count=host_count)
+
+    full = make()
+    batches = [next(full) for _ in range(12)]
+    from_bin = np.mean([full.source_of(i) for i in range(96)])
+    assert 0.1 < from_bin < 0.4                               # weight 1 of 4
+    for i, batch in enumerate(batches):                       # rows are where the draw says
+        for r, row in enumerate(batch):
+            assert (row.max() >= 200) == (full.source_of(i * 8 + r) == 1)
+    first = make()
+    for _ in range(5):
+        next(first)
+    state = json.loads(json.dumps(first.state_dict()))
+    resumed = make()
+    resumed.load_state_dict(state)
+    assert resumed.step == 5
+    for want in batches[5:]:
+        np.testing.assert_array_equal(next(resumed), want)
+    hosts = [make(h, 2) for h in range(2)]                    # two hosts: halves of each batch
+    for want in batches[:3]:
+        np.testing.assert_array_equal(np.concatenate([next(h) for h in hosts]), want)
+    other = MixtureSampler(make().sources, [1.0, 1.0], global_batch_size=8, seed=7)
+    with pytest.raises(ValueError, match=r"^data.weights: the checkpoint's data order used"):
+        other.load_state_dict(state)
