@@ -157,9 +157,11 @@ class PairScorer:
                     seq = seq[len(seq) - 1 - self.max_len:]
                     self.n_truncated += 1
                 rows.append(_Row(i, ctx, shared, seq, len(pairs[i][1])))
-        length = {g: max(r.shared + len(r.seq) for r in rows if r.group == g)
-                  for g in members}
-        rows.sort(key=lambda r: (-length[r.group], r.group, r.index))
+        length: dict[tuple[int, ...], int] = collections.defaultdict(int)
+        for r in rows:
+            length[r.group] = max(length[r.group], r.shared + len(r.seq))
+        order = {g: k for k, g in enumerate(members)}
+        rows.sort(key=lambda r: (-length[r.group], order[r.group], r.index))
         return rows
 
     # ------------------------------------------------------------------ running
