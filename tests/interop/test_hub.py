@@ -47,6 +47,7 @@ def fake_cache(root, repo: str):
 
 @pytest.fixture
 def offline_cache(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     return tmp_path / "hub"
