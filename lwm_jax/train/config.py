@@ -66,8 +66,8 @@ class TrainSection:
       because the loss or a gradient was non-finite (their update is never applied; under
       fp16 loss scaling only skips at the minimum loss scale count). 0 = never stop.
     profile_steps: `[start, stop]`: write a `jax.profiler` trace of optimizer steps
-      start..stop-1 (0-based; step 0 includes compilation) to `<run_dir>/profile/`
-      (`lwm_jax.train.profiling`); null = no trace.
+      start..stop-1 (0-based; a call's first step includes compilation) to
+      `<run_dir>/profile/` (`lwm_jax.train.profiling`); null = no trace.
     """
 
     lr: float = 3e-3

@@ -1,7 +1,8 @@
 """`jax.profiler` traces of training steps: one helper for `lwm-jax train` and the benchmarks.
 
 `train.profile_steps: [start, stop]` traces the optimizer steps `start .. stop-1` (0-based: the
-step that takes the state from step `s` to `s + 1` is step `s`; step 0 includes compilation)
+step that takes the state from step `s` to `s + 1` is step `s`; the first step of each `train`
+call, step 0 or the resumed one, includes compilation)
 into `<run_dir>/profile/plugins/profile/<timestamp>/`: an XPlane file (`*.xplane.pb`, for
 TensorBoard's profile plugin or XProf) and `perfetto_trace.json.gz` (drop it on
 ui.perfetto.dev). The trace ends after the last traced step's results are on the host, so it
