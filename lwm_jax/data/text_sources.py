@@ -2,12 +2,14 @@
 
 A source is named by one string (`data.path` or an entry of `data.sources`):
 
-| spec                                | kind     | documents                                       |
-|-------------------------------------|----------|-------------------------------------------------|
-| `corpus/` (a directory)             | `text`   | every `.jsonl`, `.parquet`, `.txt` file under it, sorted by path |
-| `a.jsonl`, `a.parquet`, `a.txt`     | `text`   | that file                                       |
-| `hf:<name or dir>[:<config>[:<split>]]` | `hf` | a Hugging Face `datasets` dataset, streamed (split `train` by default) |
-| anything else                       | `binidx` | a prepared `<prefix>.bin` / `.idx` pair (not read here) |
+| spec                                    | kind     | documents                            |
+|-----------------------------------------|----------|--------------------------------------|
+| `corpus/` (a directory)                 | `text`   | every .jsonl/.parquet/.txt under it  |
+| `a.jsonl`, `a.parquet`, `a.txt`         | `text`   | that file                            |
+| `hf:<name or dir>[:<config>[:<split>]]` | `hf`     | `datasets`, streamed (split `train`) |
+| anything else                           | `binidx` | a `<prefix>.bin` / `.idx` pair       |
+
+Files under a directory are sorted by path; binidx is not read here.
 
 Documents: a `.jsonl` line's `text_key` field (blank lines skipped), a `.parquet` row's
 `text_key` column, a whole `.txt` file, a `datasets` example's `text_key` field.

@@ -4,7 +4,9 @@
 |---------------|----------------------------------------------------------|----------------|
 | `jsonl`       | `<run_dir>/metrics.jsonl`, one strict-JSON object a line | nothing        |
 | `tensorboard` | `<run_dir>/tb/events.out.tfevents.*`                     | `tensorboardX` |
-| `wandb`       | a Weights & Biases run (under `WANDB_MODE=offline`: files in `<run_dir>/wandb/`, no network) | `wandb` |
+| `wandb`       | a Weights & Biases run (files under `<run_dir>/wandb/`)  | `wandb`        |
+
+(`WANDB_MODE=offline` keeps the W&B run on disk, no network.)
 
 Every tracker answers three calls, all with plain Python values:
   * `log_config(step, config)`: the resolved run config (a nested dict), once per `train` call
