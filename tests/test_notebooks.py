@@ -16,7 +16,10 @@ import pytest
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 
 
-@pytest.mark.parametrize("name", ["quickstart.ipynb", "precision_study.ipynb"])
+@pytest.mark.parametrize("name", [
+    "quickstart.ipynb",                                        # ~25 s on a 2-core CPU
+    pytest.param("precision_study.ipynb", marks=pytest.mark.slow),   # ~1.5-2.5 min
+])
 def test_notebook_executes(name, tmp_path):
     notebook = nbformat.read(NOTEBOOKS / name, as_version=4)
     assert all(not cell.get("outputs") for cell in notebook.cells

@@ -128,6 +128,9 @@ def test_cli_report_on_the_tiny_config(tmp_path, capsys):
     (["--batch-size", "512", "--seq-len", "512"], "--batch-size x --seq-len"),
     (["--checkpoint", "nowhere", "model.n_layer=2"], "overrides apply to --config"),
     (["model.n_layr=2"], "model.n_layr"),
+    (["--shadow", "fp64"], "--shadow: precision: unknown preset 'fp64'"),
+    (["--data", "corpus", "model.vocab_size=300", "model.n_layer=1", "model.n_embd=64"],
+     "--data corpus"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, needle):
     status = main(["precision-report", "--output", str(tmp_path / "r"), *argv])

@@ -12,13 +12,15 @@ import os
 
 import numpy as np
 
+from lwm_jax.precision import parse_policy
 from lwm_jax.user_input import check_output_dir
 
 MAX_TOKENS = 1 << 16          # batch_size * seq_len: the report keeps every tap of every layer
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """One-line ValueErrors for impossible sizes (before anything is built)."""
+    """One-line ValueErrors for impossible sizes, unknown policies and an unusable output
+    directory (before anything is built)."""
     for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
@@ -26,6 +28,12 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size x --seq-len = {args.batch_size * args.seq_len} tokens; "
                          f"the report holds every layer's intermediate values, keep it <= "
                          f"{MAX_TOKENS}")
+    for flag, spec in (("--policy", args.policy), ("--shadow", args.shadow)):
+        if spec is not None and not (flag == "--shadow" and spec == "none"):
+            try:
+                parse_policy(spec)
+            except ValueError as err:
+                raise ValueError(f"{flag}: {err}") from None
     check_output_dir(args.output, "--output")
 
 
@@ -39,7 +47,7 @@ def report_tokens(vocab_size: int, data: str, batch_size: int, seq_len: int,
     if data == "random":
         tokens = rng.integers(0, vocab_size, (batch_size, seq_len + 1))
         return tokens.astype(np.int32), {"data": "random", "seed": seed}
-    if vocab_size < 256:
+    if vocab_size != 256:
         raise ValueError(f"--data corpus: the embedded corpus is byte-level (256 ids) but the "
                          f"model's vocab_size is {vocab_size}; use --data random")
     from lwm_jax.data.corpus import stdlib_corpus
