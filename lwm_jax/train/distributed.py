@@ -6,8 +6,10 @@ the same config and the same run directory on a shared filesystem. Which launch 
 - explicit, any cluster: every process gets `LWM_COORDINATOR_ADDRESS=host:port` (process 0's
   host, a free port), `LWM_NUM_PROCESSES=N` and its own `LWM_PROCESS_ID=i` (0 <= i < N);
 - detected by JAX itself (`jax.distributed.initialize()` with no arguments): Cloud TPU pod
-  slices (`TPU_WORKER_HOSTNAMES` names more than one worker), SLURM job steps started by `srun`
-  with more than one task (`SLURM_NTASKS`), Open MPI's `mpirun` (`OMPI_COMM_WORLD_SIZE`);
+  slices (`TPU_WORKER_HOSTNAMES` names more than one worker, as on GKE; or a TPU VM made with
+  `gcloud compute tpus`, whose workers JAX reads from the VM's metadata server), SLURM job
+  steps started by `srun` with more than one task (`SLURM_NTASKS`), Open MPI's `mpirun`
+  (`OMPI_COMM_WORLD_SIZE`);
 - anything else: one process, nothing initialised.
 
 What the trainer then does per process (`lwm_jax.train.trainer`): every process builds the same
@@ -72,15 +74,30 @@ def initialize_from_env(environ: Mapping[str, str] = os.environ) -> bool:
     """Initialise JAX's distributed runtime when the launch asks for it (see the module
     docstring); returns whether it did. Call before anything touches a JAX device."""
     kwargs = launch_from_env(environ)
-    if kwargs is None:
+    if kwargs is None and not _on_cloud_tpu_vm_slice():
         return False
     import jax
+
+    kwargs = kwargs or {}
 
     platforms = (environ.get("JAX_PLATFORMS") or jax.config.jax_platforms or "").lower()
     if platforms.split(",")[0].strip() == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs)
     return True
+
+
+def _on_cloud_tpu_vm_slice() -> bool:
+    """True on a Cloud TPU VM (GCE) worker: JAX's own cluster detection (its TPU start-up
+    code, then the metadata server's worker number) finds one. Such VMs set no environment
+    variable naming their workers, so `launch_from_env` cannot see them; a single-host VM
+    initialises a one-process runtime, which is harmless."""
+    try:                         # importing jax runs its Cloud TPU start-up detection
+        from jax._src import cloud_tpu_init
+        from jax._src.clusters.cloud_tpu_cluster import GceTpuCluster
+    except ImportError:          # a JAX without these modules: no detection, one process
+        return False
+    return bool(cloud_tpu_init.running_in_cloud_tpu_vm) and GceTpuCluster.is_env_present()
 
 
 def is_primary() -> bool:

@@ -111,3 +111,18 @@ def test_launch_detection():
     assert launch_from_env({"LWM_COORDINATOR_ADDRESS": "10.0.0.1:1234", "LWM_NUM_PROCESSES": "2",
                             "LWM_PROCESS_ID": "1"}) == {
         "coordinator_address": "10.0.0.1:1234", "num_processes": 2, "process_id": 1}
+
+
+def test_cloud_tpu_vm_workers_initialise_through_jax(monkeypatch):
+    """A TPU VM made with `gcloud compute tpus` sets no variable naming its workers: the
+    start-up asks JAX's own detection (metadata server) and then initialises with no
+    arguments; elsewhere (this machine) nothing is initialised."""
+    import jax
+    from lwm_jax.train import distributed
+
+    calls = []
+    monkeypatch.setattr(jax.distributed, "initialize", lambda **kw: calls.append(kw))
+    assert distributed._on_cloud_tpu_vm_slice() is False          # not a TPU VM
+    assert distributed.initialize_from_env({}) is False and calls == []
+    monkeypatch.setattr(distributed, "_on_cloud_tpu_vm_slice", lambda: True)
+    assert distributed.initialize_from_env({}) is True and calls == [{}]
