@@ -6,7 +6,7 @@ import pytest
 
 from lwm_jax.cli import build_parser, main
 
-SUBCOMMANDS = ("train", "prepare", "convert", "export", "generate", "eval")
+SUBCOMMANDS = ("train", "prepare", "convert", "export", "generate", "eval", "precision-report")
 
 
 def test_every_subcommand_is_wired():
@@ -16,7 +16,8 @@ def test_every_subcommand_is_wired():
                 "convert": [name, "--input", "a", "--output", "b"],
                 "export": [name, "--input", "a", "--output", "b", "--format", "hf"],
                 "generate": [name, "--checkpoint", "c", "--prompt", "hi"],
-                "eval": [name, "--checkpoint", "c"]}[name]
+                "eval": [name, "--checkpoint", "c"],
+                "precision-report": [name, "--policy", "bf16-mixed"]}[name]
         ns = parser.parse_args(args)
         assert ns.command == name and callable(ns.func)
 
