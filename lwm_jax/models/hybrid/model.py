@@ -42,6 +42,7 @@ from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.hybrid.config import HybridConfig
+from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import Attention, attention_forward
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
@@ -164,16 +165,8 @@ class RWKVHybrid(nnx.Module):
         return logits.astype(self.policy.output_dtype)
 
     def _trunk(self, tokens_BT, segment_ids, probe):
-        tokens_BT = jnp.asarray(tokens_BT)
-        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
-            raise ValueError(f"RWKVHybrid: tokens must be an integer array [B, T], got shape "
-                             f"{tokens_BT.shape} dtype {tokens_BT.dtype}")
+        tokens_BT, segment_ids = checked_inputs("RWKVHybrid", tokens_BT, segment_ids)
         B, T = tokens_BT.shape
-        if segment_ids is not None:
-            segment_ids = jnp.asarray(segment_ids)
-            if segment_ids.shape != (B, T):
-                raise ValueError(f"RWKVHybrid: segment_ids shape {segment_ids.shape} must equal "
-                                 f"the tokens' shape {(B, T)}")
         if probe is not None and self.runtime.remat:
             raise ValueError("RWKVHybrid: a probe needs a model built with remat=False")
         c, policy, rt = self.cfg, self.policy, self.runtime

@@ -55,6 +55,7 @@ from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.attention import KVCache, empty_cache
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
+from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import INIT_STD, Block, block_forward, normal
 from lwm_jax.models.llama.config import LlamaConfig
 from lwm_jax.precision import Policy, parse_policy
@@ -149,18 +150,11 @@ class Llama(nnx.Module):
 
     # ------------------------------------------------------------------ internals
     def _trunk(self, tokens_BT, cache, segment_ids, probe):
-        tokens_BT = jnp.asarray(tokens_BT)
-        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
-            raise ValueError(f"Llama: tokens must be an integer array [B, T], got shape "
-                             f"{tokens_BT.shape} dtype {tokens_BT.dtype}")
+        if segment_ids is not None and cache is not None:
+            raise ValueError("Llama: segment_ids cannot be combined with a KV cache state; "
+                             "decode one document per row")
+        tokens_BT, segment_ids = checked_inputs("Llama", tokens_BT, segment_ids)
         B, T = tokens_BT.shape
-        if segment_ids is not None:
-            if cache is not None:
-                raise ValueError("Llama: segment_ids cannot be combined with a KV cache state; "
-                                 "decode one document per row")
-            if tuple(jnp.shape(segment_ids)) != (B, T):
-                raise ValueError(f"Llama: segment_ids shape {jnp.shape(segment_ids)} must equal "
-                                 f"the tokens' shape {(B, T)}")
         if cache is not None:
             self._check_cache(cache, B)
         if probe is not None and (self.runtime.remat or self.runtime.scan_layers):

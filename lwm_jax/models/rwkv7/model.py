@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME, RESIDUALS_NAME
 from lwm_jax.diagnostics.probe import scoped
@@ -169,19 +170,11 @@ class RWKV7(nnx.Module):
 
     def _trunk(self, tokens_BT, state, segment_ids, probe):
         """Embedding, ln0 and the blocks: `(x_BTC, new LayerState)`; checks the inputs."""
-        tokens_BT = jnp.asarray(tokens_BT)
-        if tokens_BT.ndim != 2 or not jnp.issubdtype(tokens_BT.dtype, jnp.integer):
-            raise ValueError(f"RWKV7: tokens must be an integer array [B, T], got shape "
-                             f"{tokens_BT.shape} dtype {tokens_BT.dtype}")
+        tokens_BT, segment_ids = checked_inputs("RWKV7", tokens_BT, segment_ids)
         B, T = tokens_BT.shape
         if state is None:
             state = self.init_state(B)
         self._check_state(state, B)
-        if segment_ids is not None and tuple(jnp.shape(segment_ids)) != (B, T):
-            raise ValueError(f"RWKV7: segment_ids shape {jnp.shape(segment_ids)} must equal the "
-                             f"tokens' shape {(B, T)}")
-        if segment_ids is not None:
-            segment_ids = jnp.asarray(segment_ids)
         if probe is not None and (self.runtime.remat or self.runtime.scan_layers):
             raise ValueError("RWKV7: a probe needs a model built with remat=False and "
                              "scan_layers=False (it cannot look inside jax.checkpoint or lax.scan)")
