@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Scale-out measurements on a 2-GPU machine (nvidia-h200-x2), one device call (< 10 min):
+# Scale-out measurements on a 2-GPU machine (nvidia-h200-x2), two device calls (< 10 min each):
 #
-#   bash tools/device_scaleout.sh            # rows in $OUT/scaleout.jsonl
+#   bash tools/device_scaleout.sh dp         # data parallel, 0.1B and 1.5B (rows in $OUT/scaleout.jsonl)
+#   bash tools/device_scaleout.sh fsdp       # 1M-token sequence parallel, then FSDP of a ~7B model
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
@@ -20,11 +21,17 @@ case_() {   # case_ TIMEOUT GPUS train_step.py-args...
     2>&1 | grep '^{' | cut -c1-600
 }
 BIG="model.n_layer=32 model.n_embd=4096 runtime.remat=true runtime.scan_layers=true"
-case_ 110 0   --models 0.1b --steps 8
-case_ 120 0,1 --models 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
-case_ 80  0   --models 1.5b --steps 6
-case_ 90  0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
-case_ 100 0,1 --models 0.1b --steps 2 --warmup 1 --set train.batch_size=1 train.ctx_len=1048576 \
-  runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
-case_ 60  0   --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG
-case_ 120 0,1 --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG mesh.data=1 mesh.fsdp=2
+# Cold compiles on a fresh machine (2026-11-24): 0.1B ~45 s, 1.5B more than 80 s, the ~7B case
+# more than 120 s. Pass `dp` or `fsdp` to run one half per call (each < 10 min).
+part=${1:-dp}
+if [ "$part" = dp ]; then
+  case_ 110 0   --models 0.1b --steps 8
+  case_ 120 0,1 --models 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
+  case_ 150 0   --models 1.5b --steps 6
+  case_ 150 0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+else
+  case_ 100 0,1 --models 0.1b --steps 2 --warmup 1 --set train.batch_size=1 train.ctx_len=1048576 \
+    runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
+  case_ 200 0   --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG
+  case_ 260 0,1 --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG mesh.data=1 mesh.fsdp=2
+fi
