@@ -47,7 +47,7 @@ def train_main(args: argparse.Namespace) -> int:
     the data's recorded tokenizer before anything is allocated; then train. Returns the exit
     status (3 when training diverged, 130 / 143 when SIGINT / SIGTERM stopped it after its
     checkpoint); raises ValueError (one line) for bad input."""
-    from lwm_jax.train.config import check_memory_on_devices, load_config
+    from lwm_jax.train.config import load_config
 
     cfg = load_config(args.config, args.overrides)
     if args.print_config:
@@ -56,6 +56,7 @@ def train_main(args: argparse.Namespace) -> int:
     from lwm_jax.train.distributed import initialize_from_env, is_primary
     initialize_from_env()                   # a multi-process launch: before any device use
     _check_run_dirs(cfg)
+    from lwm_jax.train.preflight import check_memory_on_devices
     check_memory_on_devices(cfg)
     from lwm_jax.train.batches import check_tokenizer_record
     for key, prefix in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):

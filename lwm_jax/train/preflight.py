@@ -1,7 +1,7 @@
 """Compile the train step once, ahead of the first step, and refuse a step that cannot fit.
 
-`check_memory` (train/config.py) refuses before anything is built when the weights, gradients
-and Adam moments alone are too large. Activations depend on the batch, the context, the loss
+`check_memory` refuses before anything is built when the weights, gradients and Adam moments
+alone are too large. Activations depend on the batch, the context, the loss
 chunk, remat and what XLA fuses, so only the compiled step knows them: here XLA's own memory
 analysis of the compiled step (arguments + outputs - donated aliases + temporaries, bytes per
 device) is compared with the memory of one accelerator, or with the host's available memory
@@ -10,11 +10,14 @@ the keys that shrink it, not in RESOURCE_EXHAUSTED from the allocator after minu
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
+import numpy as np
 
-from lwm_jax.train.config import RunConfig, _gib, host_memory_available
+from lwm_jax.precision import parse_policy
+from lwm_jax.train.config import RunConfig, mesh_shape
 
 # Headroom for what the analysis does not count (allocator fragmentation, cuBLAS/cuDNN
 # workspaces, the input pipeline's device buffers).
@@ -87,3 +90,84 @@ def compile_step(cfg: RunConfig, train_step, state, tokens, *,
     have, what = memory if memory is not None else device_memory()
     check_step_fits(cfg, step_bytes(compiled), have, what)
     return compiled
+
+
+def training_bytes(cfg: RunConfig) -> int:
+    """A lower bound of the bytes the train state needs: per parameter, the weight and its
+    gradient in the policy's parameter dtype plus two float32 Adam moments (activations and
+    workspace are not counted). Pure arithmetic on the config; nothing is allocated."""
+    itemsize = np.dtype(parse_policy(cfg.precision).param_dtype).itemsize
+    return cfg.model.param_count() * (2 * itemsize + 8)
+
+
+def host_memory_available() -> int | None:
+    """Bytes of host memory a new allocation can use: `MemAvailable` from /proc/meminfo, capped
+    by a cgroup (container) limit when one is set; None when the platform does not say."""
+    avail = None
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            avail = None
+    try:
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            used = int(f.read().strip())
+        if limit != "max":
+            room = max(0, int(limit) - used)
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**40:.2f} TiB" if n >= 2**40 else f"{n / 2**30:.1f} GiB"
+
+
+def check_memory(cfg: RunConfig, sizes: dict[str, int], *, device_bytes: int | None = None,
+                 n_local_devices: int = 1, host_bytes: int | None = None) -> None:
+    """Refuse, before anything is allocated, a run whose weights, gradients and Adam moments
+    alone (`training_bytes`) cannot fit.
+
+    `sizes`: the resolved mesh (`mesh_shape`); parameters are split over `fsdp * tensor`.
+    `device_bytes`: memory of one accelerator (JAX's `bytes_limit`); None = CPU devices, which
+    all share the host's `host_bytes` (default: `host_memory_available()`; None = no check).
+    Raises ValueError (one line naming the model keys and both sizes).
+    """
+    need = training_bytes(cfg) / max(1, sizes.get("fsdp", 1) * sizes.get("tensor", 1))
+    if device_bytes:
+        have, what = device_bytes, "memory of one device"
+    else:
+        need *= max(1, n_local_devices)
+        have = host_bytes if host_bytes is not None else host_memory_available()
+        what = "available host memory"
+    if have is None or need <= have:
+        return
+    m = cfg.model
+    embed_share = 2 * m.vocab_size * m.n_embd / max(1, m.param_count())
+    key = "model.vocab_size" if embed_share > 0.5 else "model.n_embd"
+    raise ValueError(f"{key}: vocab_size={m.vocab_size}, n_embd={m.n_embd}, n_layer={m.n_layer} give "
+                     f"{m.param_count():,} parameters whose weights, gradients and Adam moments "
+                     f"alone need ~{_gib(need)}, more than the {_gib(have)} of {what}; lower "
+                     f"{key} (or shard the model with mesh.fsdp over more devices)")
+
+
+def check_memory_on_devices(cfg: RunConfig) -> None:
+    """`check_memory` against the devices JAX sees (see `check_memory`)."""
+    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    local = jax.local_devices()
+    stats = None
+    if local[0].platform != "cpu":
+        try:
+            stats = local[0].memory_stats()
+        except Exception:               # not every backend reports memory: skip, not fail
+            stats = None
+    check_memory(cfg, sizes, device_bytes=(stats or {}).get("bytes_limit"),
+                 n_local_devices=len(local))
