@@ -113,7 +113,7 @@ def precision_report_main(args: argparse.Namespace) -> int:
 
     from lwm_jax.models.registry import get_arch
     from lwm_jax.train.config import load_config
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, data_files=False)   # the model only
     model = get_arch(cfg.arch).model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
                                          rngs=nnx.Rngs(cfg.train.seed))
     return run_report(model, args, args.policy or cfg.precision)

@@ -18,7 +18,7 @@ from flax import nnx
 
 from lwm_jax import ModelConfig
 from lwm_jax.cli import main
-from lwm_jax.diagnostics.precision_report import EXCESS_LIMIT, precision_report
+from lwm_jax.diagnostics.precision_report import EXCESS_LIMIT, format_table, precision_report
 from lwm_jax.models.llama import Llama
 from lwm_jax.models.llama.config import LlamaConfig
 from lwm_jax.models.rwkv7 import RWKV7
@@ -136,3 +136,40 @@ def test_bad_input_is_one_line(tmp_path, capsys, argv, needle):
     status = main(["precision-report", "--output", str(tmp_path / "r"), *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and needle in err[0], err
+
+
+def test_round_mantissa_keeps_the_asked_bits():
+    from lwm_jax.diagnostics.subops import round_mantissa
+    x = np.array([1.0 + 2.0**-10, 1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11, -3.0 - 2.0**-12, 0.0])
+    got = round_mantissa(x, 10)                     # TF32: 10 explicit bits
+    assert got.tolist() == [1.0 + 2.0**-10, 1.0, 1.0 + 2.0**-9, -3.0, 0.0]  # ties to even
+    bf16 = np.asarray(jnp.asarray(x[:4], jnp.float32).astype(jnp.bfloat16), np.float64)
+    assert np.array_equal(round_mantissa(x[:4], 7), bf16)
+
+
+def test_gpu_floors_model_tf32_products(rwkv):
+    """On a GPU, float32 products at `default` / `high` run as TF32: the floors must include
+    that rounding (else every fp32 island reads as a broken contract there), and only there."""
+    cpu = precision_report(rwkv, TOKENS, "fp32-fast", shadow=None, platform="cpu")
+    gpu = precision_report(rwkv, TOKENS, "fp32-fast", shadow=None, platform="gpu")
+    exact = precision_report(rwkv, TOKENS, "fp32", shadow=None, platform="gpu")
+    for name in ("logits", "wkv", "wkv_state", "ffn", "decay"):
+        for c, g, e in zip(_rows(cpu, name), _rows(gpu, name), _rows(exact, name)):
+            assert c.floor_rel < 1e-6 and e.floor_rel < 1e-6, (c, e)   # IEEE products
+            assert g.floor_rel > 2e-5, g                                # TF32 operands
+            assert g.local_rel == c.local_rel                           # same CPU values
+    assert "on gpu" in format_table(gpu) and gpu.platform == "gpu"
+    assert "TF32 products" in gpu.worst.suggestion and "fp32" in gpu.worst.suggestion
+
+
+def test_cli_report_ignores_the_configs_data_files(tmp_path, capsys):
+    """The report builds the model only: a config naming training data that is not on this
+    machine (e.g. configs/rwkv7-0.1b.yaml's data/minipile) still reports."""
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model: {n_layer: 1, n_embd: 64}\ndata: {path: nowhere/minipile}\n")
+    status = main(["precision-report", "-c", str(cfg), "--seq-len", "8", "--batch-size", "1",
+                   "--shadow", "none", "--output", str(tmp_path / "r")])
+    assert status == 0, capsys.readouterr().err
+    with pytest.raises(ValueError, match="data.path: nowhere/minipile.bin not found"):
+        from lwm_jax.train.config import load_config
+        load_config(str(cfg))                        # training still refuses it

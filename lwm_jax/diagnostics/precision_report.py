@@ -14,7 +14,9 @@ MLP; both: logits, loss; see `subops_rwkv7` / `subops_llama`) it reports
 
 * local error: the op's output against its float64 formula on the very inputs the policy run
   fed it (`||x - ref|| / ||ref||` and max |x - ref|), and the *floor*, the same formula with only
-  the roundings the policy asks for; `excess` = local / max(floor, 64 * 2^-24);
+  the roundings the policy asks for (its storage dtypes, and its products' operands as this
+  backend rounds them at the policy's matmul precision: TF32 on GPU, bf16 passes on TPU);
+  `excess` = local / max(floor, 64 * 2^-24);
 * end-to-end error: the tapped value against the shadow run's (upstream errors included);
 * non-finite entries in the policy run;
 * per parameter group (per layer), the gradient's error against the shadow's gradient.
@@ -28,7 +30,8 @@ Family-neutral: the model is any class with the registry's interface (`lwm_jax.m
 `Cls(cfg, policy, runtime=, rngs=)`, `__call__(tokens, probe=)`), rebuilt per policy from its
 own class and parameters; the sub-op table is chosen by the class name. CPU note: XLA's CPU
 backend computes float32 products in IEEE float32 at every matmul precision, so `fp32-fast`
-equals `fp32` there and TF32 effects need a GPU run.
+equals `fp32` there and TF32 effects need a GPU run (measured on an H200: bf16-mixed's float32
+logits island and WKV state carry TF32's ~3e-4 / ~7e-4, at their product floors).
 """
 from __future__ import annotations
 
@@ -116,6 +119,7 @@ class Report:
     worst: Worst
     loss: float
     shadow_loss: float | None
+    platform: str = "cpu"
 
     @property
     def layers(self) -> int:
@@ -189,7 +193,7 @@ def _f64_tree(tree):
 # ------------------------------------------------------------------------------- report
 def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
                      shadow: Policy | str | None = "fp32", gradients: bool = True,
-                     batch_info: dict | None = None) -> Report:
+                     batch_info: dict | None = None, platform: str | None = None) -> Report:
     """Measure `policy` against float64 formulas and a `shadow` policy on one batch.
 
     Args:
@@ -202,6 +206,8 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
       gradients: also compare the loss gradients with the shadow's (one more compilation per
         policy).
       batch_info: recorded as is in the report (data source, seed, ...).
+      platform: the backend whose product rounding the floors model (`cpu`, `gpu`, `tpu`;
+        default: the backend the runs use, `jax.default_backend()`).
     Returns:
       a `Report`.
     """
@@ -217,16 +223,17 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
     run = _run(model, params, policy, inputs, targets, gradients)
     ref = None if shadow is None else _run(model, params, shadow, inputs, targets, gradients)
+    platform = jax.default_backend() if platform is None else platform
     ctx = Context(run.taps, _f64_tree(run.params), model.cfg, policy, np.asarray(inputs),
-                  np.asarray(targets), run.loss_BT)
+                  np.asarray(targets), run.loss_BT, platform=platform)
     rows = tuple(_measure(ctx, family, ref))
     grads = tuple(_grad_rows(family, run.grads, ref.grads)) if gradients else ()
     info = {"batch_size": int(tokens.shape[0]), "seq_len": int(tokens.shape[1] - 1),
             **(batch_info or {})}
     return Report(family.name, _describe(model.cfg), policy.name,
                   "none" if shadow is None else shadow.name, info, rows, grads,
-                  pick_worst(rows, policy, family), float(np.mean(run.loss_BT)),
-                  None if ref is None else float(np.mean(ref.loss_BT)))
+                  pick_worst(rows, policy, family, platform), float(np.mean(run.loss_BT)),
+                  None if ref is None else float(np.mean(ref.loss_BT)), platform)
 
 
 def _describe(cfg) -> str:
@@ -279,7 +286,8 @@ def _grad_rows(family: Family, grads: dict, ref: dict):
         yield GradRow(layer, group, rel_error(g, r), max_abs_error(g, r), nonfinite_count(g))
 
 
-def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family) -> Worst:
+def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family,
+               platform: str = "cpu") -> Worst:
     """The worst offender and the change that would fix it (see the module docstring)."""
     def make(row, kind, text):
         return Worst(row.layer, row.subop, kind, row.local_rel, row.excess, text)
@@ -293,13 +301,13 @@ def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family) -> Worst:
     top = max(rows, key=lambda r: r.excess)
     if top.excess >= EXCESS_LIMIT:
         return make(top, "contract", f"{where(top)}: local error {top.local_rel:.2e} is "
-                    f"{top.excess:.0f}x what this policy's storage allows "
+                    f"{top.excess:.0f}x what this policy's storage and products allow "
                     f"({top.floor_rel:.1e}): {fixes[top.subop]}")
     top = max(rows, key=lambda r: r.local_rel)
-    return make(top, "policy", _policy_advice(top, policy, where(top)))
+    return make(top, "policy", _policy_advice(top, policy, where(top), platform))
 
 
-def _policy_advice(row: Row, policy: Policy, where: str) -> str:
+def _policy_advice(row: Row, policy: Policy, where: str, platform: str = "cpu") -> str:
     cd = jnp.dtype(policy.compute_dtype)
     head = (f"every sub-op is within this policy's precision; the largest local error is "
             f"{where} at {row.local_rel:.1e}")
@@ -311,9 +319,17 @@ def _policy_advice(row: Row, policy: Policy, where: str) -> str:
                 f"precision=fp32-fast to keep activations in float32 (same islands, float32 "
                 f"storage){extra}")
     if policy.matmul_precision != "highest":
-        return (f"{head}: float32 storage; on GPU/TPU use precision=fp32 (matmul precision "
-                "highest) to remove TF32 / bf16-pass products (CPU already computes IEEE "
-                "float32)")
+        if platform == "cpu":
+            return (f"{head}: float32 storage; on GPU/TPU use precision=fp32 (matmul precision "
+                    "highest) to remove TF32 / bf16-pass products (CPU already computes IEEE "
+                    "float32)")
+        short = "TF32" if platform == "gpu" else "bf16-pass"
+        extra = ""
+        if platform == "gpu" and row.subop in ("wkv", "wkv_state"):
+            extra = ("; for the WKV alone, w=tf32x3 reaches float32 error at tensor-core "
+                     "speed (precision=p=f32,c=f32,w=tf32x3)")
+        return (f"{head}: float32 storage with {short} products; precision=fp32 (matmul "
+                f"precision highest) makes them IEEE float32{extra}")
     return f"{head}: float32 level, no change needed"
 
 
@@ -327,7 +343,7 @@ def _fmt(x: float | None) -> str:
 def format_table(report: Report) -> str:
     """The report as a fixed-width text table (sub-ops, then gradients, then the verdict)."""
     lines = [f"precision report: {report.family} {report.model}; policy {report.policy} vs "
-             f"shadow {report.shadow}; batch {report.batch}",
+             f"shadow {report.shadow} on {report.platform}; batch {report.batch}",
              f"loss {report.loss:.6f} (shadow "
              f"{'-' if report.shadow_loss is None else f'{report.shadow_loss:.6f}'})", "",
              f"{'layer':>5} {'sub-op':<10} {'local rel':>10} {'floor':>9} {'excess':>8} "

@@ -5,7 +5,9 @@ A sub-op's *local* error is measured on the policy run's own inputs: the float64
 `ref` is the op's formula evaluated in float64 on exactly the values the policy run fed it, so
 errors made upstream do not count against it. Its *floor* is the same formula in float64 with
 only the roundings the policy asks for (the op's inputs and outputs stored in their dtypes,
-exact arithmetic in between): the best any implementation of that policy can do. A local error
+exact arithmetic in between, and the operands of its products rounded as the backend multiplies
+float32 at the policy's matmul precision: TF32 on GPU, bf16 passes on TPU, see
+`PRODUCT_MANTISSA_BITS`): the best any implementation of that policy can do. A local error
 far above the floor means the op computes less precisely than the policy promises (a lost fp32
 island, a low-precision product); one at the floor is the price of the policy itself.
 
@@ -32,6 +34,8 @@ class Context:
     inputs_BT, targets_BT: int tokens the model saw and the next tokens.
     loss_BT: the per-token cross-entropy the policy run computed (float32 values).
     memo: cache shared by sub-ops of one report (e.g. one WKV reference per layer).
+    platform: the JAX backend the policy ran on (`cpu`, `gpu`, `tpu`): how its float32
+      products round (`product`).
     """
 
     taps: dict[str, np.ndarray]
@@ -42,6 +46,16 @@ class Context:
     targets_BT: np.ndarray
     loss_BT: np.ndarray
     memo: dict = dataclasses.field(default_factory=dict)
+    platform: str = "cpu"
+
+    def product(self, x, which: str = "matmul") -> np.ndarray:
+        """`x` as a product operand of this run, float64: rounded to the mantissa the backend
+        multiplies float32 with at the policy's `matmul` (or `wkv`) precision; unchanged where
+        products are IEEE float32 (CPU, `highest`, `tf32x3`). 16-bit operands pass exactly."""
+        precision = self.policy.wkv_precision if which == "wkv" else self.policy.matmul_precision
+        bits = PRODUCT_MANTISSA_BITS.get((self.platform, precision))
+        x = np.asarray(x, np.float64)
+        return x if bits is None else round_mantissa(x, bits)
 
     def tap(self, name: str) -> np.ndarray:
         """A tapped value as float64 (ValueError naming the tap when the model has none)."""
@@ -105,6 +119,21 @@ class Family:
 
 # ----------------------------------------------------------------------------- helpers
 F32 = jnp.dtype(jnp.float32)
+# Explicit mantissa bits of a float32 product's operands by (backend, precision name), where the
+# backend shortens them: NVIDIA tensor cores' TF32 (10 bits; XLA's `default` and `high` for
+# float32 dots and the WKV kernel's `high`), TPU's one bf16 pass (`default`, 7 bits) and three
+# bf16 passes (`high`, hi + lo halves: ~15 bits). Absent: IEEE float32 products (CPU at every
+# precision, `highest`, the GPU kernel's `tf32x3`, whose split passes reach float32 error).
+PRODUCT_MANTISSA_BITS = {("gpu", "default"): 10, ("gpu", "high"): 10,
+                         ("tpu", "default"): 7, ("tpu", "high"): 15}
+
+
+def round_mantissa(x, bits: int) -> np.ndarray:
+    """`x` (float64) rounded to `bits` explicit mantissa bits, to nearest with ties to even;
+    the exponent range is float64's (TF32 and bf16 share float32's, which a float32 operand
+    already fits)."""
+    mant, exp = np.frexp(np.asarray(x, np.float64))        # x = mant * 2**exp, |mant| in [0.5, 1)
+    return np.ldexp(np.rint(np.ldexp(mant, bits + 1)), exp - (bits + 1))
 
 
 def storage(x, dtype) -> np.ndarray:

@@ -39,18 +39,20 @@ def _rope64(x_BTHD, cos_TK, sin_TK):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def _attention64(x_BTC, p, norm_w, cfg, store):
+def _attention64(x_BTC, p, norm_w, cfg, store, prod=lambda a: a):
     """One layer's attention sublayer in float64; `store(x)` is applied wherever the block
-    stores a value (identity for the reference, compute-dtype rounding for the floor)."""
+    stores a value and `prod(x)` to every product operand (identity for the reference;
+    compute-dtype rounding and the backend's product rounding for the floor)."""
     B, T, _ = x_BTC.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     angle = np.arange(T, dtype=np.float64)[:, None] * _freqs(cfg)[None, :]
     cos, sin = np.cos(angle), np.sin(angle)
     h = store(rms_norm64(x_BTC, norm_w, cfg.rms_eps))
-    q = _rope64(store(h @ p["q"]).reshape(B, T, H, D), cos, sin)
-    k = _rope64(store(h @ p["k"]).reshape(B, T, K, D), cos, sin)
-    q, k = store(q), store(k)
-    v = store(h @ p["v"]).reshape(B, T, K, D)
+    h = prod(h)
+    q = _rope64(store(h @ prod(p["q"])).reshape(B, T, H, D), cos, sin)
+    k = _rope64(store(h @ prod(p["k"])).reshape(B, T, K, D), cos, sin)
+    q, k = prod(store(q)), prod(store(k))
+    v = prod(store(h @ prod(p["v"]))).reshape(B, T, K, D)
     causal = np.tril(np.ones((T, T), bool))
     heads = []
     for i in range(H):
@@ -58,9 +60,9 @@ def _attention64(x_BTC, p, norm_w, cfg, store):
         scores = np.einsum("btd,bsd->bts", q[:, :, i], k[:, :, j]) / np.sqrt(D)
         scores = np.where(causal, scores, -np.inf)
         e = np.exp(scores - scores.max(-1, keepdims=True))
-        probs = store(e / e.sum(-1, keepdims=True))
+        probs = prod(store(e / e.sum(-1, keepdims=True)))
         heads.append(store(np.einsum("bts,bsd->btd", probs, v[:, :, j])))
-    return store(np.concatenate(heads, -1) @ p["o"])
+    return store(prod(np.concatenate(heads, -1)) @ prod(p["o"]))
 
 
 def attention_local(ctx: Context, layer: int) -> Local:
@@ -71,7 +73,7 @@ def attention_local(ctx: Context, layer: int) -> Local:
     p = _layer(ctx, "attn", layer)
     w = ctx.params["blocks"]["attn_norm"]["weight"][layer]
     ref = _attention64(x, p, w, cfg, lambda a: a)
-    floor = _attention64(x, p, w, cfg, lambda a: storage(a, cd))
+    floor = _attention64(x, p, w, cfg, lambda a: storage(a, cd), ctx.product)
     return Local(ctx.tap(f"layer{layer}/attn_out"), ref, floor)
 
 
@@ -94,11 +96,14 @@ def mlp_local(ctx: Context, layer: int) -> Local:
     w = ctx.params["blocks"]["mlp_norm"]["weight"][layer]
     h = rms_norm64(ctx.tap(f"layer{layer}/x_att"), w, ctx.cfg.rms_eps)
 
-    def swiglu(h, store, store32):
-        g, u = store32(h @ p["gate"]), store32(h @ p["up"])
-        return store(store(g / (1.0 + np.exp(-g)) * u) @ p["down"])
-    ref = swiglu(h, lambda a: a, lambda a: a)
-    floor = swiglu(storage(h, cd), lambda a: storage(a, cd), lambda a: storage(a, F32))
+    def swiglu(h, store, store32, prod):
+        h = prod(h)
+        g, u = store32(h @ prod(p["gate"])), store32(h @ prod(p["up"]))
+        return store(prod(store(g / (1.0 + np.exp(-g)) * u)) @ prod(p["down"]))
+    same = lambda a: a  # noqa: E731
+    ref = swiglu(h, same, same, same)
+    floor = swiglu(storage(h, cd), lambda a: storage(a, cd), lambda a: storage(a, F32),
+                   ctx.product)
     return Local(ctx.tap(f"layer{layer}/mlp_out"), ref, floor)
 
 
@@ -121,8 +126,10 @@ def logits_local(ctx: Context, layer) -> Local:
     cfg = ctx.cfg
     x = ctx.tap(f"layer{cfg.n_layer - 1}/x_out")
     head = ctx.params["embed"].T if cfg.tie_embeddings else ctx.params["head"]
-    ref = rms_norm64(x, ctx.params["norm"]["weight"], cfg.rms_eps) @ head
-    return Local(ctx.tap("logits"), ref, storage(ref, ctx.output_dtype))
+    normed = rms_norm64(x, ctx.params["norm"]["weight"], cfg.rms_eps)
+    ref = normed @ head
+    floor = ctx.product(normed) @ ctx.product(head)
+    return Local(ctx.tap("logits"), ref, storage(floor, ctx.output_dtype))
 
 
 SUBOPS = (

@@ -46,37 +46,49 @@ def _mixed(ctx: Context, x_BTC, norm: str, mix, layer: int):
 
 def decay_local(ctx: Context, layer: int) -> Local:
     """`w = -exp(-0.5) sigmoid(w0 + tanh(x_w w1) w2)`; floor: x_w stored in the compute dtype
-    (as TimeMix has it), everything after in float32 (the decay island)."""
+    (as TimeMix has it), everything after in float32 (the decay island), the LoRA's products
+    at the policy's matmul precision."""
     p = _layer(ctx, "att", layer)
     x_w = _mixed(ctx, _layer_input(ctx, layer), "ln1", p["x_w"], layer)
 
-    def w_of(x):
-        return -DECAY_SCALE * sigmoid64(p["w0"] + np.tanh(x @ p["w1"]) @ p["w2"])
-    ref = w_of(x_w)
-    floor = storage(w_of(storage(x_w, ctx.compute_dtype)), F32)
+    def w_of(x, prod):
+        hidden = np.tanh(prod(x) @ prod(p["w1"]))
+        return -DECAY_SCALE * sigmoid64(p["w0"] + prod(hidden) @ prod(p["w2"]))
+    ref = w_of(x_w, lambda a: a)
+    floor = storage(w_of(storage(x_w, ctx.compute_dtype), ctx.product), F32)
     value = ctx.tap(f"layer{layer}/att/w").reshape(ref.shape)
     return Local(value, ref, floor)
 
 
-def _wkv_reference(ctx: Context, layer: int):
-    key = ("wkv", layer)
+def _wkv_reference(ctx: Context, layer: int, products: bool = False):
+    """`(o, state)` of the float64 recurrence on the run's r, w, k, v, a, b; `products=True`:
+    with r, k, v, a, b rounded as the kernel's in-chunk products round them (`Context.product`
+    at the WKV precision; the decay w enters through float32 exponentials, not products). A
+    first-order model of a product-rounding kernel: its intermediate operands (decayed keys,
+    in-chunk matrices) round too, so its error may sit a small factor above this floor."""
+    key = ("wkv", layer, products)
     if key not in ctx.memo:
         names = ("r", "w", "k", "v", "a_in", "b_in")
-        ctx.memo[key] = wkv7_reference_np(*(ctx.tap(f"layer{layer}/att/{n}") for n in names))
+        inputs = [ctx.tap(f"layer{layer}/att/{n}") for n in names]
+        if products:
+            inputs = [x if n == "w" else ctx.product(x, "wkv") for n, x in zip(names, inputs)]
+        ctx.memo[key] = wkv7_reference_np(*inputs)
     return ctx.memo[key]
 
 
 def wkv_local(ctx: Context, layer: int) -> Local:
     """The WKV7 recurrence on the run's own r, w, k, v, a, b; floor: output stored in the
-    compute dtype (TimeMix asks `wkv7` for `output_dtype=compute`)."""
+    compute dtype (TimeMix asks `wkv7` for `output_dtype=compute`), products as the kernel's."""
     o, _ = _wkv_reference(ctx, layer)
-    return Local(ctx.tap(f"layer{layer}/att/wkv_out"), o, storage(o, ctx.compute_dtype))
+    o_floor, _ = _wkv_reference(ctx, layer, products=True)
+    return Local(ctx.tap(f"layer{layer}/att/wkv_out"), o, storage(o_floor, ctx.compute_dtype))
 
 
 def wkv_state_local(ctx: Context, layer: int) -> Local:
-    """The final WKV state (float32 always: the state island)."""
+    """The final WKV state (float32 always: the state island), products as the kernel's."""
     _, state = _wkv_reference(ctx, layer)
-    return Local(ctx.tap(f"layer{layer}/att/wkv_state"), state, storage(state, F32))
+    _, state_floor = _wkv_reference(ctx, layer, products=True)
+    return Local(ctx.tap(f"layer{layer}/att/wkv_state"), state, storage(state_floor, F32))
 
 
 def ln_x_local(ctx: Context, layer: int) -> Local:
@@ -91,23 +103,26 @@ def ln_x_local(ctx: Context, layer: int) -> Local:
 
 def ffn_local(ctx: Context, layer: int) -> Local:
     """ChannelMix `relu(k W_key)² W_value` from the run's `x_att`; floor: k, k W_key, the
-    squares and the output stored in the compute dtype."""
+    squares and the output stored in the compute dtype, products at the matmul precision."""
     p = _layer(ctx, "ffn", layer)
-    cd = ctx.compute_dtype
+    cd, prod = ctx.compute_dtype, ctx.product
     k = _mixed(ctx, ctx.tap(f"layer{layer}/x_att"), "ln2", p["x_k"], layer)
     ref = np.square(np.maximum(k @ p["key"], 0.0)) @ p["value"]
-    pre = storage(storage(k, cd) @ p["key"], cd)
-    floor = storage(storage(np.square(np.maximum(pre, 0.0)), cd) @ p["value"], cd)
+    pre = storage(prod(storage(k, cd)) @ prod(p["key"]), cd)
+    floor = storage(prod(storage(np.square(np.maximum(pre, 0.0)), cd)) @ prod(p["value"]), cd)
     return Local(ctx.tap(f"layer{layer}/ffn/out"), ref, floor)
 
 
 def logits_local(ctx: Context, layer) -> Local:
-    """Final LayerNorm + head on the run's last residual stream; floor: output dtype storage."""
+    """Final LayerNorm + head on the run's last residual stream; floor: the head's product at
+    the matmul precision, output dtype storage."""
     del layer
     x = ctx.tap(f"layer{ctx.cfg.n_layer - 1}/x_out")
     ln = ctx.params["ln_out"]
-    ref = layer_norm64(x, ln["weight"], ln["bias"]) @ ctx.params["head"]
-    return Local(ctx.tap("logits"), ref, storage(ref, ctx.output_dtype))
+    normed = layer_norm64(x, ln["weight"], ln["bias"])
+    ref = normed @ ctx.params["head"]
+    floor = ctx.product(normed) @ ctx.product(ctx.params["head"])
+    return Local(ctx.tap("logits"), ref, storage(floor, ctx.output_dtype))
 
 
 SUBOPS = (

@@ -295,7 +295,7 @@ def _key(name: str, limit: int = 60) -> str:
     return name if len(name) <= limit else name[: limit - 3] + "..."
 
 
-def _check_values(cfg: RunConfig) -> None:
+def _check_values(cfg: RunConfig, data_files: bool = True) -> None:
     t, d, c, m = cfg.train, cfg.data, cfg.checkpoint, cfg.mesh
     positive = {"train.lr": t.lr, "train.eps": t.eps, "train.steps": t.steps,
                 "train.batch_size": t.batch_size, "train.ctx_len": t.ctx_len,
@@ -333,7 +333,7 @@ def _check_values(cfg: RunConfig) -> None:
                                   f"{t.grad_accum}")
     if not 0.0 <= d.val_fraction < 1.0:
         _fail("data.val_fraction", f"must be in [0, 1), got {d.val_fraction}")
-    _check_data_sources(d)
+    _check_data_sources(d, data_files)
     sizes = dataclasses.asdict(m)
     for axis, size in sizes.items():
         if size != -1 and size < 1:
@@ -344,7 +344,7 @@ def _check_values(cfg: RunConfig) -> None:
         _fail("name", f"must be a non-empty name without '/', got {short(cfg.name)}")
 
 
-def _check_data_sources(d: DataSection) -> None:
+def _check_data_sources(d: DataSection, files: bool = True) -> None:
     from lwm_jax.data.text_sources import source_kind
     if d.sources and d.path is not None:
         _fail("data.sources", "set data.path or data.sources, not both (data.path=null)")
@@ -357,7 +357,7 @@ def _check_data_sources(d: DataSection) -> None:
     named = [("data.path", d.path)] if d.path is not None else []
     named += [(f"data.sources[{i}]", spec) for i, spec in enumerate(d.sources)]
     named += [("data.val_path", d.val_path)] if d.val_path is not None else []
-    for key, spec in named:
+    for key, spec in named if files else ():
         kind = source_kind(spec) if key != "data.val_path" else "binidx"
         if kind == "text" and not os.path.exists(spec):
             _fail(key, f"{_key(spec, 240)} not found; give a directory or a .jsonl, .parquet or "
@@ -388,10 +388,11 @@ def binidx_prefix(path: str) -> str:
     return root if ext in (".bin", ".idx") else path
 
 
-def build_config(raw: dict[str, Any]) -> RunConfig:
+def build_config(raw: dict[str, Any], data_files: bool = True) -> RunConfig:
     """Validate a plain dict (YAML contents, overrides applied) into a `RunConfig`.
 
-    Keys missing from `raw` take the defaults of `RunConfig()` (the tiny run).
+    Keys missing from `raw` take the defaults of `RunConfig()` (the tiny run). `data_files=False`
+    skips the existence checks of the data files (commands that build only the model).
     """
     if not isinstance(raw, dict):
         raise ValueError(f"config: expected a mapping at the top level, got {type(raw).__name__}")
@@ -424,7 +425,7 @@ def build_config(raw: dict[str, Any]) -> RunConfig:
             _fail(sec, f"expected a mapping of keys, got {short(given)}")
         sections[sec] = _build_section(cls, sec, {**base[sec], **given})
     cfg = RunConfig(**top, model=model, **sections)
-    _check_values(cfg)
+    _check_values(cfg, data_files)
     return cfg
 
 
@@ -471,8 +472,10 @@ def _deep_copy(d: Any) -> Any:
     return {k: _deep_copy(v) for k, v in d.items()} if isinstance(d, dict) else d
 
 
-def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunConfig:
-    """Read a YAML run config (None = the built-in tiny defaults), apply overrides, validate.
+def load_config(path: str | None = None, overrides: Sequence[str] = (),
+                data_files: bool = True) -> RunConfig:
+    """Read a YAML run config (None = the built-in tiny defaults), apply overrides, validate
+    (`data_files=False`: without the data files' existence checks, for model-only commands).
 
     Without a `name:` key the run is named after the file (`configs/rwkv7-0.1b.yaml` ->
     `rwkv7-0.1b`). Raises ValueError (one line, naming the file or the dotted key) for a missing
@@ -490,7 +493,7 @@ def load_config(path: str | None = None, overrides: Sequence[str] = ()) -> RunCo
                              f"got {type(loaded).__name__}")
         raw = loaded or {}
         raw.setdefault("name", os.path.splitext(os.path.basename(path))[0])
-    return build_config(apply_overrides(raw, overrides))
+    return build_config(apply_overrides(raw, overrides), data_files)
 
 
 def mesh_shape(mesh: MeshSection, n_devices: int) -> dict[str, int]:
