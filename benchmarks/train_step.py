@@ -20,6 +20,7 @@ torch's `max_memory_allocated`), the step's compile time, and the loss of the la
     python benchmarks/train_step.py --models 0.1b --set runtime.remat=true train.loss_chunk=8192
     python benchmarks/train_step.py --models 0.1b --profile $OUT/prof   # + top ops by GPU time
     python benchmarks/train_step.py --models tiny --steps 2            # CPU smoke run
+    python benchmarks/train_step.py --models 0.1b --doc-len 1000 --set data.reset_at_document_boundary=true
 
 `fp32` cases run with `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0`
 unless `--fp32-autotune` is given: with XLA's default GEMM autotuning the first fp32 step
@@ -49,7 +50,7 @@ FP32_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
 
 
 def run_case(model: str, precision: str, overrides: list[str], steps: int, warmup: int,
-             profile: str | None) -> dict:
+             profile: str | None, doc_len: int = 0) -> dict:
     """Build and time one case in this process; returns its JSON row."""
     import jax
     import numpy as np
@@ -72,7 +73,9 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     tokens_sh = tokens_sharding(prog.mesh)
 
     def batch_at() -> jax.Array:
-        host = rng.integers(0, cfg.model.vocab_size, (t.batch_size, t.ctx_len + 1), np.int32)
+        host = rng.integers(1, cfg.model.vocab_size, (t.batch_size, t.ctx_len + 1), np.int32)
+        if doc_len:       # documents of mean length doc_len: token 0 (the World EOD) ends each
+            host[rng.random(host.shape) < 1.0 / doc_len] = 0
         return jax.device_put(host, tokens_sh)
 
     t0 = time.perf_counter()
@@ -103,7 +106,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     dev = jax.local_devices()[0]
     stats = dev.memory_stats() or {}
     row = {"model": model, "precision": precision, "overrides": overrides,
-           "batch": t.batch_size, "ctx": t.ctx_len, "params": n_params,
+           "batch": t.batch_size, "ctx": t.ctx_len, "doc_len": doc_len, "params": n_params,
            "device": dev.device_kind, "jax": jax.__version__,
            "step_ms": round(step_s * 1e3, 2),
            "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
@@ -131,13 +134,17 @@ def main() -> None:
                     help="directory: trace 3 more steps per case and list the top GPU ops")
     ap.add_argument("--fp32-autotune", action="store_true",
                     help="keep XLA's default GEMM autotuning for fp32 cases")
+    ap.add_argument("--doc-len", type=int, default=0,
+                    help="plant end-of-document tokens (id 0) at mean spacing N (packed "
+                         "documents, for data.reset_at_document_boundary); 0 = none")
     ap.add_argument("--out", default=None, help="also append the JSON rows to this file")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "PRECISION"), help=argparse.SUPPRESS)
     args = ap.parse_args()
 
     if args.one:
         prof = args.profile
-        row = run_case(args.one[0], args.one[1], args.set, args.steps, args.warmup, prof)
+        row = run_case(args.one[0], args.one[1], args.set, args.steps, args.warmup, prof,
+                       args.doc_len)
         print("ROW " + json.dumps(row), flush=True)
         return
 
@@ -149,7 +156,8 @@ def main() -> None:
             if precision == "fp32" and not args.fp32_autotune:
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FP32_XLA_FLAGS).strip()
             cmd = [sys.executable, os.path.abspath(__file__), "--one", model, precision,
-                   "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                   "--steps", str(args.steps), "--warmup", str(args.warmup),
+                   "--doc-len", str(args.doc_len)]
             if args.set:
                 cmd += ["--set", *args.set]
             if args.profile:

@@ -8,6 +8,8 @@
 # FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: 116 s of
 # warm-up; 0.1B did not finish in 240 s on 2026-11-23): one model per call, the peer first.
 #   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
+#   bash tools/device_throughput.sh reset [..]    # 0.1B, documents of ~1000 tokens: state carried
+#                                                 # across them vs data.reset_at_document_boundary
 #
 # Needs the fla-core, flash-linear-attention and einops wheels in .peer/ (carried).
 set -uo pipefail
@@ -35,5 +37,10 @@ case "$mode" in
     python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|precisions [train_step.py args]" >&2; exit 2 ;;
+  reset)
+    for r in false true; do
+      python3 benchmarks/train_step.py --models 0.1b --doc-len 1000 --out "$OUT/ours_reset.jsonl" \
+        --set data.reset_at_document_boundary=$r "$@"
+    done ;;
+  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset [train_step.py args]" >&2; exit 2 ;;
 esac
