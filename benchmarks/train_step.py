@@ -93,7 +93,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
         jax.block_until_ready(metrics)
         times.append(time.perf_counter() - t0)
     if profile:
-        from profile_summary import top_ops
+        from profile_summary import summary
 
         from lwm_jax.train.profiling import trace
         with trace(profile):          # the helper `train.profile_steps` uses
@@ -118,7 +118,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
            "last_loss": float(metrics["loss"]), "finite": float(metrics["finite"]),
            "xla_flags": os.environ.get("XLA_FLAGS", "")}
     if profile:
-        row["top_ops"] = top_ops(profile, n=15)
+        row["profile"] = summary(profile, n=40)
     return row
 
 

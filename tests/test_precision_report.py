@@ -159,6 +159,9 @@ def test_gpu_floors_model_tf32_products(rwkv):
             assert g.floor_rel > 2e-5, g                                # TF32 operands
             assert g.local_rel == c.local_rel                           # same CPU values
     assert "on gpu" in format_table(gpu) and gpu.platform == "gpu"
+    mixed = precision_report(rwkv, TOKENS, "bf16-mixed", shadow=None, platform="gpu")
+    for g in _rows(mixed, "wkv_state"):      # bf16 inputs, yet the kernel's in-chunk
+        assert g.floor_rel > 1e-4, g           # operands (decayed keys, ...) round to TF32
     assert "TF32 products" in gpu.worst.suggestion and "fp32" in gpu.worst.suggestion
 
 
@@ -173,3 +176,22 @@ def test_cli_report_ignores_the_configs_data_files(tmp_path, capsys):
     with pytest.raises(ValueError, match="data.path: nowhere/minipile.bin not found"):
         from lwm_jax.train.config import load_config
         load_config(str(cfg))                        # training still refuses it
+
+
+def test_rounded_operand_products_model_tf32():
+    """`RoundedOperands(23)` is IEEE float32; `RoundedOperands(10)` (TF32) costs the chunked
+    WKV ~1e-4 of accuracy against the float64 recurrence."""
+    from lwm_jax.ops.wkv7.chunk_math import RoundedOperands
+    from lwm_jax.ops.wkv7.chunked import wkv7_chunked
+    from lwm_jax.ops.wkv7.reference import wkv7_reference_np
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
+    xs = random_wkv7_inputs(3, 1, 64, 2, 16, 16)
+    ref, _ = wkv7_reference_np(*xs)
+    err = {}
+    for name, prec in (("highest", "highest"), ("f32", RoundedOperands(23)),
+                       ("tf32", RoundedOperands(10))):
+        o, _ = wkv7_chunked(*xs, None, None, chunk_size=32, output_dtype=jnp.float32,
+                            precision=prec)
+        err[name] = np.linalg.norm(np.asarray(o, np.float64) - ref) / np.linalg.norm(ref)
+    assert err["f32"] == err["highest"] < 1e-6, err
+    assert 3e-5 < err["tf32"] < 3e-3, err

@@ -48,12 +48,17 @@ class Context:
     memo: dict = dataclasses.field(default_factory=dict)
     platform: str = "cpu"
 
-    def product(self, x, which: str = "matmul") -> np.ndarray:
-        """`x` as a product operand of this run, float64: rounded to the mantissa the backend
-        multiplies float32 with at the policy's `matmul` (or `wkv`) precision; unchanged where
-        products are IEEE float32 (CPU, `highest`, `tf32x3`). 16-bit operands pass exactly."""
+    def product_bits(self, which: str = "matmul") -> int | None:
+        """Explicit mantissa bits of this backend's float32 product operands at the policy's
+        `matmul` (or `wkv`) precision; None where products are IEEE float32 (CPU, `highest`,
+        `tf32x3`)."""
         precision = self.policy.wkv_precision if which == "wkv" else self.policy.matmul_precision
-        bits = PRODUCT_MANTISSA_BITS.get((self.platform, precision))
+        return PRODUCT_MANTISSA_BITS.get((self.platform, precision))
+
+    def product(self, x, which: str = "matmul") -> np.ndarray:
+        """`x` as a product operand of this run, float64: rounded to `product_bits(which)`
+        (unchanged where products are IEEE float32). 16-bit operands pass exactly."""
+        bits = self.product_bits(which)
         x = np.asarray(x, np.float64)
         return x if bits is None else round_mantissa(x, bits)
 

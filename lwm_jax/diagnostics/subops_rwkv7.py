@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import math
 
+import jax.numpy as jnp
 import numpy as np
 
 from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, group_norm64,
                                         layer_norm64, shift64, sigmoid64, storage)
+from lwm_jax.ops.wkv7.chunk_math import RoundedOperands
+from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.reference import wkv7_reference_np
 
 DECAY_SCALE = math.exp(-0.5)      # w = -exp(-0.5) * sigmoid(d), RWKV-7's log-decay range
+KERNEL_CHUNK = {"gpu": 32, "tpu": 64}   # the Pallas kernels' default chunk lengths
 
 
 def _layer(ctx: Context, group: str, layer: int) -> dict:
@@ -61,18 +65,23 @@ def decay_local(ctx: Context, layer: int) -> Local:
 
 
 def _wkv_reference(ctx: Context, layer: int, products: bool = False):
-    """`(o, state)` of the float64 recurrence on the run's r, w, k, v, a, b; `products=True`:
-    with r, k, v, a, b rounded as the kernel's in-chunk products round them (`Context.product`
-    at the WKV precision; the decay w enters through float32 exponentials, not products). A
-    first-order model of a product-rounding kernel: its intermediate operands (decayed keys,
-    in-chunk matrices) round too, so its error may sit a small factor above this floor."""
-    key = ("wkv", layer, products)
+    """`(o, state)` of WKV7 on the run's r, w, k, v, a, b: the float64 recurrence; with
+    `products=True` and a backend whose kernel products round their operands (TF32 on GPU,
+    bf16 passes on TPU: `Context.product_bits`), the chunked form (`wkv7_chunked`, the kernels'
+    algebra at their chunk length) with every product's operands rounded so, float32 elsewhere:
+    a model of the kernel's own roundings (its in-chunk operands are decayed keys and chunk
+    matrices, not only the inputs)."""
+    bits = ctx.product_bits("wkv") if products else None
+    key = ("wkv", layer, bits)
     if key not in ctx.memo:
-        names = ("r", "w", "k", "v", "a_in", "b_in")
-        inputs = [ctx.tap(f"layer{layer}/att/{n}") for n in names]
-        if products:
-            inputs = [x if n == "w" else ctx.product(x, "wkv") for n, x in zip(names, inputs)]
-        ctx.memo[key] = wkv7_reference_np(*inputs)
+        inputs = [ctx.tap(f"layer{layer}/att/{n}") for n in ("r", "w", "k", "v", "a_in", "b_in")]
+        if bits is None:
+            ctx.memo[key] = wkv7_reference_np(*inputs)
+        else:
+            o, state = wkv7_chunked(*(jnp.asarray(x, jnp.float32) for x in inputs), None, None,
+                                    chunk_size=KERNEL_CHUNK.get(ctx.platform, 64),
+                                    output_dtype=jnp.float32, precision=RoundedOperands(bits))
+            ctx.memo[key] = (np.asarray(o, np.float64), np.asarray(state, np.float64))
     return ctx.memo[key]
 
 

@@ -30,6 +30,8 @@ exact 0/1 masks (`same_ts`, `m0`, `m_end`); nothing relies on large negative num
 """
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
@@ -47,7 +49,7 @@ def unit_lower_inverse(A_CC, precision=_HIGHEST):
     XLA:CPU's intra-op pool on small machines).
     """
     return tril_inverse.unit_lower_inverse(
-        A_CC, lambda x, y: _mm("...ij,...jk->...ik", x, y, precision=precision))
+        A_CC, lambda x, y: product("...ij,...jk->...ik", x, y, precision=precision))
 
 
 def sub_block_size(chunk_size: int) -> int:
@@ -55,8 +57,25 @@ def sub_block_size(chunk_size: int) -> int:
     return max(d for d in range(1, min(chunk_size, MAX_SUB_BLOCK) + 1) if chunk_size % d == 0)
 
 
-def _mm(spec, *xs, precision=_HIGHEST):
+@dataclasses.dataclass(frozen=True)
+class RoundedOperands:
+    """A product precision for modelling, not speed: both operands rounded to `mantissa_bits`
+    explicit bits (`lax.reduce_precision`), then an IEEE float32 product. With 10 bits it is what
+    a TF32 tensor core computes, on any backend (the precision report's floor for the GPU
+    kernel's `high` products)."""
+
+    mantissa_bits: int
+
+
+def product(spec, *xs, precision=_HIGHEST):
+    """`einsum` with float32 accumulation at `precision` (a `lax.Precision` or a
+    `RoundedOperands`)."""
+    if isinstance(precision, RoundedOperands):
+        xs = tuple(jax.lax.reduce_precision(x, exponent_bits=8,
+                                            mantissa_bits=precision.mantissa_bits) for x in xs)
+        precision = _HIGHEST
     return jnp.einsum(spec, *xs, precision=precision, preferred_element_type=jnp.float32)
+
 
 
 def _interval_sums(x, rel):
@@ -68,7 +87,7 @@ def _interval_sums(x, rel):
     and XLA GPU (jax 0.11) failed to emit some fused concatenate / pad forms of these shifts.
     """
     idx = jnp.arange(x.shape[-2])
-    return _mm("ts,...sk->...tk", rel(idx[:, None], idx[None, :]).astype(jnp.float32), x)
+    return product("ts,...sk->...tk", rel(idx[:, None], idx[None, :]).astype(jnp.float32), x)
 
 
 _INC = lambda t, s: t >= s
@@ -103,7 +122,7 @@ def _log_decay_sums(w_NCK):
         idx = jnp.arange(nb)
         strictly_between = ((idx[None, :, None] < idx[None, None, :])
                             & (idx[None, None, :] < idx[:, None, None]))  # [i, j, m]
-        sums["between"] = _mm("ijm,...mk->...ijk", strictly_between.astype(jnp.float32), tot_blk)
+        sums["between"] = product("ijm,...mk->...ijk", strictly_between.astype(jnp.float32), tot_blk)
     return sums
 
 
@@ -142,7 +161,7 @@ def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict, precision):
     # Same sub-block: exact pairwise decays, exponent masked to 0 outside the triangle (safe grads).
     diff_NTSK = x_log[..., :, :, None, :] - sums["inc"][..., :, None, :, :]
     xdec_NTSK = x_NCK[..., :, :, None, :] * jnp.exp(jnp.where(tri[:, :, None], diff_NTSK, 0.0))
-    diag = [jnp.where(tri, _mm("...tsk,...sk->...ts", xdec_NTSK, y, precision=precision), 0.0)
+    diag = [jnp.where(tri, product("...tsk,...sk->...ts", xdec_NTSK, y, precision=precision), 0.0)
             for y in ys]
     if nb == 1:
         return tuple(d.reshape(*batch, C, C) for d in diag)
@@ -154,7 +173,7 @@ def _pair_products(x_NCK, ys, x_log, sums, earlier_decay, strict, precision):
     out = []
     for y, d in zip(ys, diag):
         y_right = y.reshape(*batch, 1, C, K) * earlier_decay                      # [.., i, s, K]
-        off_ITJS = _mm("...itk,...isk->...its", x_left, y_right,
+        off_ITJS = product("...itk,...isk->...its", x_left, y_right,
                        precision=precision).reshape(*batch, nb, c, nb, c)
         full_ITJS = jnp.where(same_blk, d[..., :, :, None, :],
                               jnp.where(earlier, off_ITJS, 0.0))
@@ -201,7 +220,7 @@ def chunk_terms(r, w, k, v, a, b, masks, sub_block, precision=_HIGHEST):
         decay_all_K = jnp.where(m0[..., -1:], decay_all_K, 0.0)
 
     # U = W S_0 + U_v from the unit lower triangular system (I - A_ab) U = rhs.
-    mm = lambda spec, x, y: _mm(spec, x, y, precision=precision)  # noqa: E731
+    mm = lambda spec, x, y: product(spec, x, y, precision=precision)  # noqa: E731
     inv_CC = unit_lower_inverse(A_ab, precision)
     W_CK = mm("...ts,...sk->...tk", inv_CC, a_dec)
     Uv_CV = mm("...ts,...sv->...tv", inv_CC, mm("...ts,...sv->...tv", A_ak, v))

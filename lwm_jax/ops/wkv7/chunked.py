@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.ops.segments import segment_counter
-from lwm_jax.ops.wkv7.chunk_math import chunk_terms, sub_block_size
+from lwm_jax.ops.wkv7.chunk_math import RoundedOperands, chunk_terms, product, sub_block_size
 
 
 
@@ -63,13 +63,16 @@ def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, outpu
       chunk_size: C (static). Any C >= 1 works; 64 suits accelerators, 16-32 suits CPUs.
       output_dtype: dtype of `o` (static).
       precision: matmul precision name of the input products ("default" | "high" |
-        "highest", static); the log-decay interval sums are always exact fp32.
+        "highest", static), or a `RoundedOperands` (a model of short-operand products); the
+        log-decay interval sums are always exact fp32.
 
     Returns:
       `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
     """
+    if not isinstance(precision, RoundedOperands):
+        precision = jax.lax.Precision(precision)
     body = functools.partial(_chunked, chunk_size=chunk_size, output_dtype=output_dtype,
-                             precision=jax.lax.Precision(precision))
+                             precision=precision)
     return jax.checkpoint(body, policy=_SAVE)(r, w, k, v, a, b, initial_state, segment_ids)
 
 
@@ -97,15 +100,13 @@ def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output
 
     def step(S_BHKV, xs):
         M_BHKK, Sin_BHKV = xs
-        S_next = jnp.einsum("bhkj,bhjv->bhkv", M_BHKK, S_BHKV, precision=precision,
-                            preferred_element_type=jnp.float32) + Sin_BHKV
+        S_next = product("bhkj,bhjv->bhkv", M_BHKK, S_BHKV, precision=precision) + Sin_BHKV
         return S_next, S_BHKV
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # [B, H, NC, ...] -> [NC, B, H, ...]
     S_final, S_start_NBHKV = jax.lax.scan(step, S0_BHKV, (chunk_major(M_KK), chunk_major(S_KV)))
     S_start = checkpoint_name(jnp.moveaxis(S_start_NBHKV, 0, 2), "wkv7_chunk_states")  # [B,H,NC,K,V]
-    o_BHNCV = jnp.einsum("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=precision,
-                         preferred_element_type=jnp.float32) + O_CV
+    o_BHNCV = product("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=precision) + O_CV
     o_BTHV = o_BHNCV.transpose(0, 2, 3, 1, 4).reshape(B, NC * C, H, V)[:, :T]
     return o_BTHV.astype(output_dtype), S_final
 
