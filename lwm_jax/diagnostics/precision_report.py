@@ -60,6 +60,15 @@ FLOOR_MIN = 64 * 2.0**-24   # float32 arithmetic slack: floors below this count 
 # (measured: the logits of a bf16-mixed RWKV-7 then differ from the head applied to the tapped
 # residual by 1.7e-3, the bf16 rounding). The report measures the policy as written.
 STRICT_ROUNDING = {"xla_allow_excess_precision": False}
+# On GPU, XLA's GEMM autotuning of the float32 (shadow) programs takes minutes at a 65536-entry
+# vocabulary (as for the fp32 train step, benchmarks/RESULTS.md): the report takes cuBLAS's
+# default algorithms instead, a valid implementation of the same policy (its rounding model,
+# TF32 or IEEE float32 operands, does not depend on the algorithm).
+GPU_QUICK_COMPILE = {"xla_gpu_autotune_level": 0, "xla_gpu_enable_triton_gemm": False}
+
+
+def _compiler_options() -> dict:
+    return {**STRICT_ROUNDING, **(GPU_QUICK_COMPILE if jax.default_backend() == "gpu" else {})}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +176,7 @@ def _run(model, params: dict, policy: Policy, inputs_BT, targets_BT, gradients: 
     make = _model_fn(model, policy)
     p = policy.cast_to_param(params)
     logits, records = probed_forward(make, p, inputs_BT, reduce=lambda name, x: x,
-                                     compiler_options=STRICT_ROUNDING)
+                                     compiler_options=_compiler_options())
     taps = {name: np.asarray(value) for name, value in jax.device_get(records)}
     loss = np.asarray(_token_loss(logits, targets_BT))
     grads = _gradients(make, p, policy, inputs_BT, targets_BT) if gradients else {}
@@ -182,7 +191,7 @@ def _gradients(make, params, policy: Policy, inputs_BT, targets_BT) -> dict:
         logits = nnx.merge(graphdef, p)(inputs_BT)
         return scale.scale_loss(jnp.mean(_token_loss(logits, targets_BT)))
 
-    grads = jax.jit(jax.grad(scaled_loss), compiler_options=STRICT_ROUNDING)(params)
+    grads = jax.jit(jax.grad(scaled_loss), compiler_options=_compiler_options())(params)
     return jax.device_get(scale.unscale(grads))
 
 

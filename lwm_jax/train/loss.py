@@ -117,7 +117,11 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
         x_BnC, tgt_Bn, valid_n = xs
         logits_BnV, pullback = jax.vjp(lambda x, p: head_fn(x, p), x_BnC, head_params)
         logits_BnV = logits_BnV.astype(jnp.float32)
-        lse_Bn = jax.nn.logsumexp(logits_BnV, axis=-1)
+        # two passes over the [B, n, V] chunk, not three: the argmax's value is the max that
+        # the log-sum-exp shifts by and L2Wrap reads
+        top_idx_Bn = jnp.argmax(logits_BnV, axis=-1)
+        top_Bn = jnp.take_along_axis(logits_BnV, top_idx_Bn[..., None], axis=-1)[..., 0]
+        lse_Bn = top_Bn + jnp.log(jnp.sum(jnp.exp(logits_BnV - top_Bn[..., None]), axis=-1))
         target_Bn = jnp.take_along_axis(logits_BnV, tgt_Bn[..., None], axis=-1)[..., 0]
         weight_Bn = valid_n[None, :] * inv_total
         loss_sum = loss_sum + jnp.sum((lse_Bn - target_Bn) * weight_Bn)
@@ -126,8 +130,7 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
         vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BnV.shape, 2)
         d_logits = jnp.exp(logits_BnV - lse_Bn[..., None]) - (vocab_ids == tgt_Bn[..., None])
         if use_l2wrap:
-            top_Bn = jnp.max(logits_BnV, axis=-1)
-            at_top = vocab_ids == jnp.argmax(logits_BnV, axis=-1)[..., None]
+            at_top = vocab_ids == top_idx_Bn[..., None]
             d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None], 0.0)
         # pulled back at unit scale (each position's d_logits in [-1, 1] plus L2Wrap's term),
         # the 1 / (B T) of the mean applied after in float32: the head's gradient products
