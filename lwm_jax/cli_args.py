@@ -64,6 +64,10 @@ def add_prepare_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-eod", action="store_true",
                    help="do not append the EOD token to documents")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--workers", type=int, default=None, metavar="N",
+                   help="tokenise in N processes (1: in this process; the output is the same "
+                        "for every N); default: min(cores, 32), one per 4 MB of input at most, "
+                        "1 for the byte tokenizer")
     return p
 
 

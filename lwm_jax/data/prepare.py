@@ -7,6 +7,15 @@ Input formats (by suffix; a directory means every .txt / .jsonl file under it, s
 Each document is followed by the tokenizer's EOD id (0 for byte / World) when `append_eod`.
 Token dtype: uint16 when vocab_size <= 65536, else int32. Empty documents are skipped.
 
+Workers (`workers` > 1, `--workers`): documents are parsed here (so errors still name
+`file:line`), sent in batches of ~1 MB to a pool of `workers` processes ('spawn' start: safe next
+to JAX's threads) that each build the tokenizer once, and written back in input order, so the
+output is byte-identical to `workers=1` (the in-process path). At most 2 batches per worker are
+in flight (memory stays bounded). The tokenizer reaches the workers pickled (a `WorldTokenizer`
+pickles as its vocabulary path); a tokenizer object that cannot be pickled falls back to one
+worker. `auto_workers` (the CLI default) is min(cores, 32), fewer for small inputs (a worker
+costs ~1 s to start), and 1 for the byte tokenizer (sending the text costs more than encoding it).
+
 Besides `<prefix>.bin` / `<prefix>.idx`, a small `<prefix>.tokenizer.json` records the tokenizer
 used (`read_tokenizer_record`); training refuses data whose record disagrees with
 `data.tokenizer`. The default tokenizer is "byte", matching the default (tiny) model.
@@ -16,7 +25,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
+import pickle
+from collections import deque
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -24,15 +36,19 @@ import numpy as np
 
 from lwm_jax.cli_args import add_prepare_args  # re-exported (API)
 from lwm_jax.data.binidx import BinIdxWriter, token_dtype_for_vocab
-from lwm_jax.tokenizers import Tokenizer, get_tokenizer
+from lwm_jax.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
 from lwm_jax.user_input import check_output_file, quote_path, write_text
 
 SUFFIXES = (".txt", ".jsonl")
 DEFAULT_TOKENIZER = "byte"
 RECORD_SUFFIX = ".tokenizer.json"
 RECORD_FORMAT = "lwm_jax-tokenizer-record/1"
-__all__ = ["PrepareResult", "add_prepare_args", "binidx_prefix", "expand_inputs", "iter_documents",
-           "prepare", "read_tokenizer_record", "run_prepare"]
+BATCH_BYTES = 1 << 20  # text per batch sent to a worker
+BATCH_DOCS = 4096  # documents per batch at most
+MAX_WORKERS = 32
+BYTES_PER_WORKER = 4 << 20  # auto_workers: a worker for each 4 MB of input, at most
+__all__ = ["PrepareResult", "add_prepare_args", "auto_workers", "binidx_prefix", "expand_inputs",
+           "iter_documents", "prepare", "read_tokenizer_record", "run_prepare"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,15 +111,103 @@ def iter_documents(path: Path, text_key: str = "text") -> Iterator[tuple[str | N
             yield text, len(raw)
 
 
+def auto_workers(total_bytes: int, tokenizer: Tokenizer | None = None) -> int:
+    """Default worker count: min(cores, 32, one per `BYTES_PER_WORKER` of input), at least 1;
+    1 for the byte tokenizer (a copy: sending text to a worker costs more than encoding it)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return 1
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS, total_bytes // BYTES_PER_WORKER))
+
+
+def iter_batches(files: Sequence[Path], text_key: str = "text"
+                 ) -> Iterator[tuple[list[str | None], int]]:
+    """Yields (documents, input bytes consumed) in input order, ~`BATCH_BYTES` of text at a
+    time; a document is None for a blank .jsonl line (see `iter_documents`)."""
+    docs: list[str | None] = []
+    n_text = n_bytes = 0
+    for path in files:
+        for text, consumed in iter_documents(path, text_key):
+            docs.append(text)
+            n_text += len(text) if text else 0
+            n_bytes += consumed
+            if n_text >= BATCH_BYTES or len(docs) >= BATCH_DOCS:
+                yield docs, n_bytes
+                docs, n_text, n_bytes = [], 0, 0
+    if docs:
+        yield docs, n_bytes
+
+
+def encode_texts(tok: Tokenizer, texts: Sequence[str]) -> list[np.ndarray]:
+    """Ids of each text: the tokenizer's batch path (`encode_many_arrays`), else
+    `encode_array`, else `encode`."""
+    many = getattr(tok, "encode_many_arrays", None)
+    if many is not None:
+        return many(texts)
+    one = getattr(tok, "encode_array", None)
+    if one is not None:
+        return [one(t) for t in texts]
+    return [np.asarray(tok.encode(t), dtype=np.int64) for t in texts]
+
+
+_worker_tokenizer: Tokenizer | None = None  # set once in each worker process (`_init_worker`)
+
+
+def _init_worker(pickled_tokenizer: bytes) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = pickle.loads(pickled_tokenizer)
+
+
+def _encode_in_worker(texts: list[str]) -> list[np.ndarray]:
+    return encode_texts(_worker_tokenizer, texts)
+
+
+def _encoded_batches(batches: Iterator[tuple[list[str | None], int]], tok: Tokenizer,
+                     workers: int) -> Iterator[tuple[list[str | None], list[np.ndarray], int]]:
+    """(documents, ids of the non-empty ones, bytes) per batch, in input order; tokenised here
+    (workers=1) or in a pool with at most 2 batches per worker in flight."""
+    pickled = None
+    if workers > 1:
+        try:
+            pickled = pickle.dumps(tok)
+        except (pickle.PicklingError, TypeError, AttributeError):
+            pickled = None  # documented: an unpicklable tokenizer object runs in-process
+    if pickled is None:
+        for docs, n_bytes in batches:
+            yield docs, encode_texts(tok, [d for d in docs if d]), n_bytes
+        return
+    ctx = multiprocessing.get_context("spawn")
+    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(pickled,))
+    try:
+        pending: deque = deque()
+        for docs, n_bytes in batches:
+            pending.append((docs, pool.apply_async(_encode_in_worker, ([d for d in docs if d],)),
+                            n_bytes))
+            if len(pending) >= 2 * workers:
+                docs, result, n = pending.popleft()
+                yield docs, result.get(), n
+        while pending:
+            docs, result, n = pending.popleft()
+            yield docs, result.get(), n
+        pool.close()
+    finally:
+        pool.terminate()
+        pool.join()
+
+
 def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike,
             tokenizer: Tokenizer | str, text_key: str = "text", append_eod: bool = True,
-            progress: bool = True) -> PrepareResult:
+            progress: bool = True, workers: int = 1) -> PrepareResult:
     """Tokenises `inputs` into `<output_prefix>.bin/.idx` and returns counts.
 
     `tokenizer` is a `Tokenizer` or a spec string for `get_tokenizer` ("byte", "world", "hf:...").
+    `workers` > 1 tokenises in that many processes (module docstring); the files written are
+    the same for every count.
     On success `<output_prefix>.tokenizer.json` records it (see `read_tokenizer_record`).
-    Raises ValueError (one line) for bad input files or an output path that is a directory.
+    Raises ValueError (one line) for bad input files, an output path that is a directory or a
+    worker count below 1.
     """
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers (--workers) must be an integer >= 1, got {workers!r}")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     prefix = binidx_prefix(output_prefix)
     for suffix in (".bin", ".idx", RECORD_SUFFIX):
@@ -111,21 +215,21 @@ def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLik
     files = expand_inputs(inputs)
     dtype = token_dtype_for_vocab(tok.vocab_size)
     total = sum(f.stat().st_size for f in files)
-    fast = getattr(tok, "encode_array", None)
     docs = skipped = 0
     bar = _progress(total, progress)
     try:
         with _names_the_file(f"{prefix}.bin"), BinIdxWriter(
                 output_prefix, dtype, append_eod=append_eod, eod_id=tok.eod_id) as writer:
-            for path in files:
-                for text, n_bytes in iter_documents(path, text_key):
+            for batch, ids, n_bytes in _encoded_batches(iter_batches(files, text_key), tok,
+                                                        workers):
+                it = iter(ids)
+                for text in batch:
                     if text:
-                        ids = fast(text) if fast is not None else np.asarray(tok.encode(text), dtype=np.int64)
-                        writer.add_document(ids)
+                        writer.add_document(next(it))
                         docs += 1
                     elif text is not None:
                         skipped += 1
-                    bar.update(n_bytes)
+                bar.update(n_bytes)
             if docs == 0:
                 raise ValueError(f"no non-empty documents found in {len(files)} input file(s)")
             n_tokens = writer.num_tokens
@@ -188,10 +292,15 @@ def _progress(total: int, enabled: bool):
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Runs `prepare` from parsed `add_prepare_args` options; prints a summary; returns 0."""
+    if getattr(args, "workers", None) is not None and args.workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {args.workers} (1 = no worker processes)")
     tok = get_tokenizer(args.tokenizer, eod_token=args.eod_token)
+    workers = getattr(args, "workers", None)
+    if workers is None:
+        workers = auto_workers(sum(f.stat().st_size for f in expand_inputs(args.input)), tok)
     res = prepare(args.input, args.output, tok, text_key=args.text_key, append_eod=not args.no_eod,
-                  progress=not args.quiet)
+                  progress=not args.quiet, workers=workers)
     print(f"wrote {res.prefix}.bin/.idx/{RECORD_SUFFIX[1:]}: {res.documents} documents, "
           f"{res.tokens} tokens ({res.dtype}), {res.skipped_empty} empty documents skipped, "
-          f"tokenizer {tok.name}")
+          f"tokenizer {tok.name}, {workers} worker(s)")
     return 0

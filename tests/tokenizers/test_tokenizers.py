@@ -136,6 +136,67 @@ def test_world_known_ids_and_bytes_round_trip(world):
     assert world.decode_bytes(world.encode_bytes(data)) == data
 
 
+# ------------------------------------------------------------------------------- world, fast path
+def _varied_texts():
+    rng = np.random.default_rng(7)
+    parts = ["The quick brown fox <|endoftext|> jumps.", "中华人民共和国是一个国家。我们今天去公园",
+             "😀🎉👍🏽 emoji ", "Привет мир! ", "\t\x01\x02\x7f control ", " " * 300, "\n" * 40,
+             "def f(x):\n        return x + 12345\n", "#" * 90, "a" * 700, "é" * 33]
+    texts = ["", "a", "<|endoftext|>", SAMPLE, _random_text(3, 20_000)]
+    texts += ["".join(rng.choice(parts, 60)) for _ in range(4)]
+    return texts
+
+
+@needs_vocab
+def test_world_fast_path_equals_the_trie_walk(world):
+    from lwm_jax.tokenizers.world import FAST_MIN_BYTES
+    texts = _varied_texts()
+    for text in texts:
+        data = text.encode("utf-8")
+        ref = world.encode_bytes_trie(data)
+        assert world._fast.encode(data).tolist() == ref, text[:40]
+        assert world.encode_array(text).tolist() == ref
+        assert world.encode(text) == ref  # short texts take the trie, long ones the fast path
+    assert any(len(t.encode()) >= FAST_MIN_BYTES for t in texts)
+    batch = world.encode_many_arrays(texts)
+    assert [ids.tolist() for ids in batch] == [world.encode_bytes_trie(t.encode()) for t in texts]
+    # "<|endoftext|>" is plain text here (unlike the exported tokenizer.json): no id 0
+    assert 0 not in world.encode("x <|endoftext|> y" * 30)
+    data = bytes(np.random.default_rng(2).integers(0, 256, 3000, dtype=np.uint8))  # not UTF-8
+    assert world._fast.encode(data).tolist() == world.encode_bytes_trie(data)
+
+
+@needs_vocab
+def test_world_fast_path_long_documents_merges_and_collisions(monkeypatch):
+    from lwm_jax.tokenizers import world_fast
+    monkeypatch.setattr(world_fast, "WINDOW_BYTES", 4096)  # documents cut into windows
+    monkeypatch.setattr(world_fast, "MERGE_EVERY", 64)  # many table merges
+    monkeypatch.setattr(world_fast, "_mix", lambda w0, w1: w0 & np.uint64(0xF))  # collisions
+    tok = WorldTokenizer()
+    long_text = "".join(_varied_texts())
+    docs = [long_text, "", "short one", _random_text(9, 5000), long_text[:4095]]
+    for _ in range(2):  # the second pass reads the pieces from the table
+        got = tok._fast.encode_many([d.encode() for d in docs])
+        assert [g.tolist() for g in got] == [tok.encode_bytes_trie(d.encode()) for d in docs]
+    assert len(tok._fast._hash) > 0
+
+
+def test_world_fast_path_on_tiny_vocab_cuts_only_where_no_token_crosses(tmp_path):
+    tok = WorldTokenizer(_tiny_vocab(tmp_path / "v.txt", ["ab", "abcd", "bc", "é", b"\xff\xfe"]))
+    text = "abcx abcdbc éé ab" * 40
+    assert tok.encode_array(text).tolist() == tok.encode_bytes_trie(text.encode())
+    assert tok.encode("abcdbc" * 50) == [258, 259] * 50
+
+
+def test_world_tokenizer_pickles_as_its_vocabulary_path(tmp_path):
+    import pickle
+    tok = WorldTokenizer(_tiny_vocab(tmp_path / "v.txt", ["ab", "abcd"]))
+    blob = pickle.dumps(tok)
+    assert len(blob) < 1000
+    again = pickle.loads(blob)
+    assert again.name == tok.name and again.encode("abcd ab") == tok.encode("abcd ab")
+
+
 # ------------------------------------------------------------------------------------------ hf
 def _hf_file(tmp_path, with_eos_zero=True):
     tokenizers = pytest.importorskip("tokenizers")
