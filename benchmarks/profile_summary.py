@@ -17,6 +17,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 
 def _newest_trace(directory: str) -> str | None:
@@ -58,10 +59,60 @@ def _kind(name: str) -> str:
     return next((kind for kind, keys in KINDS if any(k in low for k in keys)), "other")
 
 
-def _scope(event: dict) -> str:
-    text = " ".join(str(v) for v in (event.get("args") or {}).values())
+HLO_FILE = "step.hlo.txt"      # the compiled step's HLO text, written beside the trace
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+) = ")
+_CALLS = re.compile(r"calls=%?([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+
+
+def op_names(directory: str) -> dict[str, str]:
+    """HLO instruction name -> its `op_name` metadata (the jax op path, named scopes included),
+    from `HLO_FILE` in `directory` (empty when absent). A fusion without metadata of its own
+    takes the first op_name inside the computation it calls."""
+    path = os.path.join(directory, HLO_FILE)
+    if not os.path.exists(path):
+        return {}
+    names, calls, first_in = {}, {}, {}
+    computation = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+            if head and "=" not in line.split("{")[0]:
+                computation = head.group(1)
+                continue
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            instr = m.group(1)
+            called, op_name = _CALLS.search(line), _OP_NAME.search(line)
+            called, op_name = called and called.group(1), op_name and op_name.group(1)
+            if op_name:
+                names[instr] = op_name
+                first_in.setdefault(computation, op_name)
+            elif called:
+                calls[instr] = called
+    for instr, called in calls.items():
+        if called in first_in:
+            names.setdefault(instr, first_in[called])
+    return names
+
+
+def _op_text(event: dict, names: dict[str, str]) -> str:
+    args = event.get("args") or {}
+    return names.get(str(args.get("hlo_op", "")), "") or " ".join(map(str, args.values()))
+
+
+def _scope(event: dict, names: dict[str, str]) -> str:
+    text = _op_text(event, names)
     found = [s for s in SCOPES if f"/{s}/" in text or f"({s})" in text or f"{s}/" in text]
     return found[0] if found else "(no scope)"
+
+
+def _op_path(event: dict, names: dict[str, str]) -> str:
+    """The op path without the `jit(...)` prefixes (`transpose(jvp(time_mix))/mul`), or the
+    kernel name when the op is unknown."""
+    text = names.get(str((event.get("args") or {}).get("hlo_op", "")), "")
+    return re.sub(r"^(jit\([^)]*\)/)+", "", text) if text else event["name"]
 
 
 def top_ops(directory: str, n: int = 20, key=lambda e: e["name"]) -> list[dict]:
@@ -77,11 +128,14 @@ def top_ops(directory: str, n: int = 20, key=lambda e: e["name"]) -> list[dict]:
 
 
 def summary(directory: str, n: int = 40) -> dict:
-    """Top `n` kernels, time by kind and by named scope, and three sample events' metadata."""
+    """Top `n` kernels, time by kind, by named scope and (with `HLO_FILE`) by jax op path,
+    and three sample events' metadata."""
     events = _device_events(directory)
+    names = op_names(directory)
     return {"top": top_ops(directory, n),
             "by_kind": top_ops(directory, None, lambda e: _kind(e["name"])),
-            "by_scope": top_ops(directory, None, _scope),
+            "by_scope": top_ops(directory, None, lambda e: _scope(e, names)),
+            "by_op": top_ops(directory, n, lambda e: _op_path(e, names)) if names else [],
             "sample_args": [e.get("args") for e in events[:3]]}
 
 
@@ -92,7 +146,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="also write the full summary here")
     args = ap.parse_args()
     result = summary(args.directory, args.n)
-    for title in ("top", "by_kind", "by_scope"):
+    for title in ("top", "by_kind", "by_scope", "by_op"):
         print(f"-- {title}")
         for row in result[title]:
             print(f"{row['ms']:10.3f} ms {row['pct']:5.1f}% {row['calls']:6d}x  {row['name']}")

@@ -96,6 +96,9 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
         from profile_summary import summary
 
         from lwm_jax.train.profiling import trace
+        os.makedirs(profile, exist_ok=True)
+        with open(os.path.join(profile, "step.hlo.txt"), "w", encoding="utf-8") as f:
+            f.write(compiled.as_text())      # op paths of the trace's kernels (profile_summary)
         with trace(profile):          # the helper `train.profile_steps` uses
             for i in range(3):
                 state, metrics = compiled(state, batches[i % 4])
