@@ -26,7 +26,8 @@ def _newest_trace(directory: str) -> str | None:
 
 
 # innermost first: an op inside `wkv` is also inside `time_mix`
-SCOPES = ("wkv", "time_mix", "channel_mix", "attention", "mlp", "head", "loss", "optimizer")
+SCOPES = ("wkv", "time_mix", "channel_mix", "attention", "mlp", "block_norm", "embed", "head",
+          "loss", "optimizer")
 KINDS = (("wkv kernels", ("wkv7_",)), ("copies", ("memcpy", "copy")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "dot")),
          ("other fusions", ("fusion",)))

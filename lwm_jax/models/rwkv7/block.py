@@ -61,7 +61,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """
     cd = policy.compute_dtype
-    xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
+    with jax.named_scope("block_norm"):
+        xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
@@ -69,7 +70,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     x_BTC = x_BTC + att
     if probe is not None:
         probe("x_att", x_BTC)
-    xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
+    with jax.named_scope("block_norm"):
+        xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
                                         probe=scoped(probe, "ffn"))

@@ -180,10 +180,11 @@ class RWKV7(nnx.Module):
                              "scan_layers=False (it cannot look inside jax.checkpoint or lax.scan)")
         tap = probe or (lambda name, x: None)
         # out-of-range token ids give NaN embeddings (jnp.take's "fill" mode), hence NaN logits
-        x = jnp.take(self.emb[...], tokens_BT, axis=0)
-        tap("emb", x)
-        x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...],
-                       out_dtype=self.policy.compute_dtype)
+        with jax.named_scope("embed"):
+            x = jnp.take(self.emb[...], tokens_BT, axis=0)
+            tap("emb", x)
+            x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...],
+                           out_dtype=self.policy.compute_dtype)
         tap("ln0", x)
 
         params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
