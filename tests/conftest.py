@@ -7,6 +7,7 @@ the top. Test file names are unique across folders (pytest's default import mode
 from __future__ import annotations
 
 import jax
+import jax.extend
 import pytest
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -33,6 +34,23 @@ def wkv7_problem():
     def make(seed, B, T, H, K, V=None, dtype=jnp.float32):
         return random_wkv7_inputs(seed, B, T, H, K, K if V is None else V, dtype)
     return make
+
+
+def _eqns_named(jaxpr, name: str) -> list:
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            found.append(eqn)
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _eqns_named(sub, name)
+    return found
+
+
+@pytest.fixture
+def jaxpr_eqns():
+    """`find(jaxpr, primitive_name) -> [eqn, ...]`: every equation of that primitive in the
+    jaxpr and, recursively, in the jaxprs its equations carry (pjit, custom_vjp, scan, ...)."""
+    return _eqns_named
 
 
 @pytest.fixture(params=["interpret"] + (["compiled"] if ON_GPU else []))

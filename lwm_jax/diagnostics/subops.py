@@ -185,6 +185,15 @@ def shift64(x_BTC):
     return np.concatenate([np.zeros_like(x_BTC[:, :1]), x_BTC[:, :-1]], axis=1)
 
 
+def logits_from(ctx: Context, normed_BTC, head_CV) -> Local:
+    """The logits island's head product on the run's final-normed residual (float64): the
+    policy's `logits` tap against `normed @ head`; floor: the product at the policy's matmul
+    precision, stored in the output dtype."""
+    ref = normed_BTC @ head_CV
+    floor = ctx.product(normed_BTC) @ ctx.product(head_CV)
+    return Local(ctx.tap("logits"), ref, storage(floor, ctx.output_dtype))
+
+
 def cross_entropy64(logits_BTV, targets_BT):
     """Per-token cross-entropy `[B, T]` in float64."""
     z = np.asarray(logits_BTV, np.float64)

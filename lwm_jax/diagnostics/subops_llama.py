@@ -18,8 +18,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, rms_norm64,
-                                        storage)
+from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, logits_from,
+                                        rms_norm64, storage)
 from lwm_jax.layers.rms_norm import rms_norm
 from lwm_jax.layers.rope import inv_frequencies, rope_cos_sin
 
@@ -126,10 +126,7 @@ def logits_local(ctx: Context, layer) -> Local:
     cfg = ctx.cfg
     x = ctx.tap(f"layer{cfg.n_layer - 1}/x_out")
     head = ctx.params["embed"].T if cfg.tie_embeddings else ctx.params["head"]
-    normed = rms_norm64(x, ctx.params["norm"]["weight"], cfg.rms_eps)
-    ref = normed @ head
-    floor = ctx.product(normed) @ ctx.product(head)
-    return Local(ctx.tap("logits"), ref, storage(floor, ctx.output_dtype))
+    return logits_from(ctx, rms_norm64(x, ctx.params["norm"]["weight"], cfg.rms_eps), head)
 
 
 SUBOPS = (

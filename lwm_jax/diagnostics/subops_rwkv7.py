@@ -23,7 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, group_norm64,
-                                        layer_norm64, shift64, sigmoid64, storage)
+                                        layer_norm64, logits_from, shift64, sigmoid64,
+                                        storage)
 from lwm_jax.ops.wkv7.chunk_math import RoundedOperands
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.reference import wkv7_reference_np
@@ -128,10 +129,7 @@ def logits_local(ctx: Context, layer) -> Local:
     del layer
     x = ctx.tap(f"layer{ctx.cfg.n_layer - 1}/x_out")
     ln = ctx.params["ln_out"]
-    normed = layer_norm64(x, ln["weight"], ln["bias"])
-    ref = normed @ ctx.params["head"]
-    floor = ctx.product(normed) @ ctx.product(ctx.params["head"])
-    return Local(ctx.tap("logits"), ref, storage(floor, ctx.output_dtype))
+    return logits_from(ctx, layer_norm64(x, ln["weight"], ln["bias"]), ctx.params["head"])
 
 
 SUBOPS = (

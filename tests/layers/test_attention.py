@@ -1,7 +1,6 @@
 """Grouped-query attention: causal and packed-document masks, float32 softmax for 16-bit
 inputs, and the KV cache (decode = full attention)."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,25 +52,15 @@ def test_packed_documents_attend_only_inside_their_segment():
     np.testing.assert_allclose(out[:1, 3:7], second, rtol=1e-6, atol=1e-7)
 
 
-def _ops(jaxpr, name):
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _ops(sub, name)
-    return found
-
-
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_16_bit_inputs_get_float32_logits_and_softmax(dtype):
+def test_16_bit_inputs_get_float32_logits_and_softmax(dtype, jaxpr_eqns):
     q, k, v = _qkv(2, 1, 64, 4, 2, 32, dtype)
     jaxpr = jax.make_jaxpr(lambda *a: self_attention(*a, precision="default"))(q, k, v).jaxpr
-    exps, maxes, sums = _ops(jaxpr, "exp"), _ops(jaxpr, "reduce_max"), _ops(jaxpr, "reduce_sum")
+    exps, maxes, sums = jaxpr_eqns(jaxpr, "exp"), jaxpr_eqns(jaxpr, "reduce_max"), jaxpr_eqns(jaxpr, "reduce_sum")
     assert exps and maxes and sums
     for eqn in exps + maxes + sums:
         assert eqn.invars[0].aval.dtype == jnp.float32, eqn
-    first_dot = _ops(jaxpr, "dot_general")[0]
+    first_dot = jaxpr_eqns(jaxpr, "dot_general")[0]
     assert first_dot.outvars[0].aval.dtype == jnp.float32     # q k^T accumulated in float32
     out = self_attention(q, k, v, precision="default")
     assert out.dtype == dtype
@@ -81,10 +70,10 @@ def test_16_bit_inputs_get_float32_logits_and_softmax(dtype):
     np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=3e-2)
 
 
-def test_float32_precision_reaches_the_products():
+def test_float32_precision_reaches_the_products(jaxpr_eqns):
     q, k, v = _qkv(3, 1, 4, 2, 2, 8)
     jaxpr = jax.make_jaxpr(lambda *a: self_attention(*a, precision="highest"))(q, k, v).jaxpr
-    dots = _ops(jaxpr, "dot_general")
+    dots = jaxpr_eqns(jaxpr, "dot_general")
     assert len(dots) == 2
     for eqn in dots:
         assert eqn.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2, eqn.params

@@ -2,7 +2,6 @@
 to the XLA `self_attention` (outputs and gradients, causal and packed documents, grouped heads),
 block-size choice, and the TPU dispatch in `lwm_jax.layers.attention`."""
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -103,23 +102,12 @@ def test_direct_call_rejects_bad_shapes_in_one_line():
         _splash(q, k, v, jnp.zeros((1, 64), jnp.int32))
 
 
-def _ops(jaxpr, name):
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _ops(sub, name)
-    return found
+def test_tpu_dispatch_selects_splash_only_where_it_applies(monkeypatch, jaxpr_eqns):
+    def _kernels(fn, *args):
+        """Pallas calls in `fn`'s jaxpr (a fresh lambda: jax caches traces per function, and
+        the patched backend is not part of the cache key)."""
+        return len(jaxpr_eqns(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr, "pallas_call"))
 
-
-def _kernels(fn, *args):
-    """Pallas calls in `fn`'s jaxpr (a fresh lambda: jax caches traces per function, and the
-    patched backend is not part of the cache key)."""
-    return len(_ops(jax.make_jaxpr(lambda *a: fn(*a))(*args).jaxpr, "pallas_call"))
-
-
-def test_tpu_dispatch_selects_splash_only_where_it_applies(monkeypatch):
     q, k, v = _qkv(6, 2, 256, 4, 2, 64, jnp.bfloat16)
     seg = _packed(2, 256)
 
