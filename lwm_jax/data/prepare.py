@@ -29,6 +29,8 @@ import multiprocessing
 import os
 import pickle
 from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -176,22 +178,31 @@ def _encoded_batches(batches: Iterator[tuple[list[str | None], int]], tok: Token
             yield docs, encode_texts(tok, [d for d in docs if d]), n_bytes
         return
     ctx = multiprocessing.get_context("spawn")
-    pool = ctx.Pool(workers, initializer=_init_worker, initargs=(pickled,))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(pickled,))
+    # On an error here (a bad line, a full disk) the pool finishes the batches already running
+    # and drops the queued ones: killing workers that may hold a queue's lock can hang the exit.
     try:
         pending: deque = deque()
         for docs, n_bytes in batches:
-            pending.append((docs, pool.apply_async(_encode_in_worker, ([d for d in docs if d],)),
+            pending.append((docs, pool.submit(_encode_in_worker, [d for d in docs if d]),
                             n_bytes))
             if len(pending) >= 2 * workers:
                 docs, result, n = pending.popleft()
-                yield docs, result.get(), n
+                yield docs, _result(result), n
         while pending:
             docs, result, n = pending.popleft()
-            yield docs, result.get(), n
-        pool.close()
+            yield docs, _result(result), n
     finally:
-        pool.terminate()
-        pool.join()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future) -> list[np.ndarray]:
+    try:
+        return future.result()
+    except BrokenProcessPool:
+        raise RuntimeError("a tokenizer worker process died (out of memory?); rerun with fewer "
+                           "--workers, or --workers 1") from None
 
 
 def prepare(inputs: Sequence[str | os.PathLike], output_prefix: str | os.PathLike,

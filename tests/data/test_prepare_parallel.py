@@ -127,3 +127,21 @@ def world_tokenizer():
         return WorldTokenizer()
     except FileNotFoundError:
         pytest.skip("World vocabulary not installed (pip install rwkv)")
+
+
+class _KillsItsWorker(ByteTokenizer):
+    """Unpickles (in a worker process) by calling os._exit: a worker that dies, as one killed
+    for memory would."""
+
+    def __reduce__(self):
+        import os
+        return os._exit, (3,)
+
+
+def test_a_dead_worker_is_one_line_not_a_hang(tmp_path, capsys):
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": f"line {i}"}) + "\n"
+                                              for i in range(50)), encoding="utf-8")
+    with pytest.raises(RuntimeError, match="worker process died .* --workers 1"):
+        prepare([tmp_path / "a.jsonl"], tmp_path / "o", _KillsItsWorker(), progress=False,
+                workers=2)
+    assert not (tmp_path / "o.bin").exists()
