@@ -73,7 +73,8 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
     """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
 
     The positions are cut into chunks of about `chunk_tokens` tokens (`max(1, chunk_tokens // B)`
-    positions of every row); a `lax.scan` computes each chunk's float32 logits, its share of the
+    positions of every row, strided: chunk i holds positions i, i + NC, ... where NC is the
+    number of chunks, so a time axis sharded over devices stays sharded); a `lax.scan` computes each chunk's float32 logits, its share of the
     mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
     L2Wrap's term at the argmax) pulled back to `x` and `head_params`. The forward therefore
     keeps `d x` (`[B, T, C]` float32) and the head gradient, and the backward only scales
@@ -109,7 +110,10 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
     x_pad = jnp.pad(x_BTC, ((0, 0), (0, pad), (0, 0)))
     tgt_pad = jnp.pad(targets_BT.astype(jnp.int32), ((0, 0), (0, pad)))
     valid = (jnp.arange(NC * n) < T).astype(jnp.float32)
-    by_chunk = lambda a: jnp.moveaxis(a.reshape(a.shape[0], NC, n, *a.shape[2:]), 1, 0)  # noqa
+    # chunk i holds positions i, i + NC, i + 2 NC, ... of every row (strided, not contiguous):
+    # when T is sharded over devices (sequence parallelism) each chunk then has tokens on every
+    # device, and each device runs its own share of every chunk instead of all gathering x
+    by_chunk = lambda a: jnp.moveaxis(a.reshape(a.shape[0], n, NC, *a.shape[2:]), 2, 0)  # noqa
     inv_total = 1.0 / (B * T)
 
     def body(carry, xs):
@@ -143,10 +147,10 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, target
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), head_params)
     (loss, d_head), dx = jax.lax.scan(body, (jnp.zeros([], jnp.float32), zeros),
                                       (by_chunk(x_pad), by_chunk(tgt_pad),
-                                       valid.reshape(NC, n)))
+                                       valid.reshape(n, NC).T))
     if not with_grad:
         return loss, None
-    dx_BTC = jnp.moveaxis(dx, 0, 1).reshape(B, NC * n, C)[:, :T] * inv_total
+    dx_BTC = jnp.moveaxis(dx, 0, 2).reshape(B, NC * n, C)[:, :T] * inv_total
     d_head = jax.tree.map(lambda d: d * inv_total, d_head)
     return loss, (dx_BTC, d_head)
 

@@ -1,6 +1,7 @@
 """Logical-axis rules, and a real train step on a 4-device CPU mesh matching one device."""
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -47,7 +48,7 @@ def test_optimizer_state_follows_parameter_shardings():
 
 
 DRIVER = textwrap.dedent("""
-    import json, sys
+    import json, re, sys
     import numpy as np
     import jax
     from lwm_jax.train.config import load_config
@@ -55,7 +56,8 @@ DRIVER = textwrap.dedent("""
     from lwm_jax.models.rwkv7 import RWKV7
     from lwm_jax.train.metrics import read_metrics
     from lwm_jax.train.sharding import make_mesh
-    from lwm_jax.train.trainer import train
+    from lwm_jax.train.sharding import tokens_sharding
+    from lwm_jax.train.trainer import build_program, train
 
     out_dir, data, batch, *meshes = sys.argv[1:]
     assert jax.device_count() == 1 if meshes == ["1"] else jax.device_count() > 1
@@ -65,6 +67,7 @@ DRIVER = textwrap.dedent("""
             "model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", f"train.batch_size={batch}",
             "train.steps=3", "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1",
             "train.eval_every=0", "checkpoint.async=false", f"data.path={data}",
+            "train.loss_chunk=64",  # 4 chunks of the fused loss: its layout meets the mesh
             f"run_dir={out_dir}/{mesh}", *[f"mesh.{k}={v}" for k, v in sizes.items()]])
         res = train(cfg, progress=False)
         params = jax.tree_util.tree_flatten_with_path(res.state.params)[0]
@@ -80,8 +83,16 @@ DRIVER = textwrap.dedent("""
                       rngs=nnx.Rngs(0))
         tok = jax.numpy.zeros((int(batch), 32), jax.numpy.int32)
         seq_parallel = "shard_map" in str(jax.make_jaxpr(lambda: model(tok))())
+        gathered = []      # shapes the compiled train step all-gathers
+        if sizes.get("sequence", 1) > 1:
+            prog = build_program(cfg)
+            tokens = jax.ShapeDtypeStruct((int(batch), 33), np.int32,
+                                          sharding=tokens_sharding(prog.mesh))
+            hlo = prog.train_step.lower(prog.abstract_state, tokens).compile().as_text()
+            gathered = re.findall(r"= (\S+) all-gather(?:-start)?\(", hlo)
         json.dump({"losses": losses, "val": res.final_val_loss, "specs": specs,
-                   "seq_parallel": seq_parallel}, open(f"{out_dir}/{mesh}.json", "w"))
+                   "seq_parallel": seq_parallel, "gathered": gathered},
+                  open(f"{out_dir}/{mesh}.json", "w"))
 """)
 
 
@@ -121,6 +132,12 @@ def test_8_device_meshes_match_one_device(tmp_path):
         # the WKV runs per device inside a shard_map on every multi-device mesh, with T split
         # over `sequence` inside it (not only around it) wherever that axis splits
         assert meta["seq_parallel"], mesh
+        if mesh == "1,1,1,8":
+            # parameters are replicated here, so nothing of width n_embd (128) is gathered: the
+            # loss runs on each device's own tokens (its chunks are strided over T), not on
+            # hidden states all-gathered from every device
+            assert not [g for g in meta["gathered"] if re.search(r"\b128\]", g)], meta["gathered"]
+            assert meta["gathered"], "the WKV's per-slice transitions are all-gathered"
         np.testing.assert_allclose(meta["losses"], ref["losses"], rtol=2e-5, err_msg=mesh)
         assert abs(meta["val"] - ref["val"]) <= 2e-5 * ref["val"], mesh
         for k in params:
