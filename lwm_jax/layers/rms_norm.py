@@ -10,10 +10,12 @@ the weight (optionally stacked with a leading `layers` axis).
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 RMS_EPS = 1e-5
@@ -30,11 +32,33 @@ def rms_norm(x, weight, *, eps: float = RMS_EPS, out_dtype: Any = None):
     Returns:
       `[..., C]` in `out_dtype`.
     """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
+    return _rms_norm(x, weight, float(eps), np.dtype(x.dtype if out_dtype is None else out_dtype))
+
+
+# Hand-written backward: the forward keeps x in its own dtype and one float32 number per row,
+# not the float32 copies of x that autodiff of the forward would keep.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _rms_norm(x, weight, eps, out_dtype):
+    return _rms_norm_fwd(x, weight, eps, out_dtype)[0]
+
+
+def _rms_norm_fwd(x, weight, eps, out_dtype):
     x32 = x.astype(jnp.float32)
-    mean_square = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-    y = x32 * jax.lax.rsqrt(mean_square + eps) * weight.astype(jnp.float32)
-    return y.astype(out_dtype)
+    rstd = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return (x32 * rstd * weight.astype(jnp.float32)).astype(out_dtype), (x, weight, rstd)
+
+
+def _rms_norm_bwd(eps, out_dtype, res, dy):
+    x, weight, rstd = res
+    xhat = x.astype(jnp.float32) * rstd
+    dy32 = dy.astype(jnp.float32)
+    d_weight = jnp.sum(dy32 * xhat, axis=tuple(range(dy.ndim - 1)))
+    g = dy32 * weight.astype(jnp.float32)                     # d loss / d xhat
+    dx = rstd * (g - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
+    return dx.astype(x.dtype), d_weight.astype(weight.dtype)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nnx.Module):
