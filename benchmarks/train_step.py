@@ -111,6 +111,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     row = {"model": model, "precision": precision, "overrides": overrides,
            "batch": t.batch_size, "ctx": t.ctx_len, "doc_len": doc_len, "params": n_params,
            "device": dev.device_kind, "jax": jax.__version__,
+           "lwm_jax": os.path.dirname(sys.modules["lwm_jax"].__file__),
            "step_ms": round(step_s * 1e3, 2),
            "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
            "ktok_s": round(tokens / step_s / 1e3, 2),
@@ -155,7 +156,9 @@ def main() -> None:
     for model in args.models:
         for precision in args.precisions:
             env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
+            # the caller's PYTHONPATH first: `tools/device_throughput.sh ab` points it at an
+            # older commit's lwm_jax; this repo's is the fallback
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (env.get("PYTHONPATH"), REPO) if p)
             if precision == "fp32" and not args.fp32_autotune:
                 env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " " + FP32_XLA_FLAGS).strip()
             cmd = [sys.executable, os.path.abspath(__file__), "--one", model, precision,

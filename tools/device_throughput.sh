@@ -10,6 +10,10 @@
 #   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
 #   bash tools/device_throughput.sh reset [..]    # 0.1B, documents of ~1000 tokens: state carried
 #                                                 # across them vs data.reset_at_document_boundary
+#   bash tools/device_throughput.sh ab MODEL [..] # same-call A/B: .peer/rev's lwm_jax (an older
+#                                                 # commit) against this tree, twice, alternating
+# For `ab`, snapshot the older commit first (here, not on the device; .peer is carried):
+#   rm -rf .peer/rev && mkdir -p .peer/rev && git archive REV lwm_jax | tar -x -C .peer/rev
 #
 # Needs the fla-core, flash-linear-attention and einops wheels in .peer/ (carried).
 set -uo pipefail
@@ -42,5 +46,14 @@ case "$mode" in
       python3 benchmarks/train_step.py --models 0.1b --doc-len 1000 --out "$OUT/ours_reset.jsonl" \
         --set data.reset_at_document_boundary=$r "$@"
     done ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset [train_step.py args]" >&2; exit 2 ;;
+  ab)
+    model=${1:?usage: $0 ab 0.1b|1.5b [train_step.py args]}; shift
+    test -d .peer/rev/lwm_jax || { echo "ab: no .peer/rev/lwm_jax (see the header)" >&2; exit 2; }
+    for i in 1 2; do
+      PYTHONPATH=$PWD/.peer/rev python3 benchmarks/train_step.py --models "$model" \
+        --out "$OUT/ab_rev.jsonl" "$@"
+      python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
+    done ;;
+  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset|ab MODEL [train_step.py args]" >&2
+     exit 2 ;;
 esac
