@@ -221,9 +221,9 @@ def test_d_kk_normalisation_in_fp32(scale):
     assert kk.dtype == F32 and rel(kk, ref) < 1e-6
 
 
-def _normalize_in_f16(x, eps=1e-12):
+def _normalize_in_f16(x, scale=None, eps=1e-12):
     """`normalize_heads` without the island: the same formula in float16."""
-    x = x.astype(F16)
+    x = x.astype(F16) * (1 if scale is None else scale.astype(F16))
     sumsq = jnp.sum(x * x, axis=-1, keepdims=True, dtype=F16)
     return (x * jax.lax.rsqrt(jnp.maximum(sumsq, jnp.asarray(eps * eps, F16)))).astype(F32)
 

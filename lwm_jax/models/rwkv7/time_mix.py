@@ -14,6 +14,7 @@ WKV state and the `ln_x` GroupNorm statistics.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -89,14 +90,52 @@ def decay_log(p: dict, x_w_BTC, policy):
     return -DECAY_SCALE * jax.nn.sigmoid(d)
 
 
-def normalize_heads(x_BTHN, eps: float = KK_EPS):
-    """fp32 island: `x / max(||x||_2, eps)` over the head dim (last axis); returns float32.
+def normalize_heads(x_BTHN, scale_HN=None, eps: float = KK_EPS):
+    """fp32 island: `u / max(||u||_2, eps)` over the head dim (last axis), `u = x * scale` formed
+    in float32 (`scale` broadcast against x, e.g. `k_k` as `[H, N]`; None = 1). Returns float32.
 
-    Written as `x * rsqrt(max(sum x², eps²))` so the gradient stays finite at x = 0.
+    Written as `u * rsqrt(max(sum u², eps²))` so the gradient stays finite at u = 0. The
+    backward is written by hand: the forward keeps x in its own (often 16-bit) dtype and one
+    float32 number per head, not the float32 u and u² that autodiff would keep.
+
+    x_BTHN: any float dtype. Returns `[B, T, H, N]` float32.
     """
-    x = x_BTHN.astype(jnp.float32)
-    sumsq = jnp.sum(jnp.square(x), axis=-1, keepdims=True)
-    return x * jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps))
+    if scale_HN is None:
+        scale_HN = jnp.ones((), jnp.float32)
+    return _normalize_heads(x_BTHN, scale_HN, float(eps))
+
+
+def _normalize_heads_fwd(x, scale, eps):
+    u = x.astype(jnp.float32) * scale.astype(jnp.float32)
+    sumsq = jnp.sum(jnp.square(u), axis=-1, keepdims=True)
+    clamped = sumsq <= eps * eps                 # the norm is eps there: a constant
+    return u * jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps)), (x, scale, sumsq, clamped)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _normalize_heads(x, scale, eps):
+    return _normalize_heads_fwd(x, scale, eps)[0]
+
+
+def _normalize_heads_bwd(eps, res, dy):
+    x, scale, sumsq, clamped = res
+    x32, s32 = x.astype(jnp.float32), scale.astype(jnp.float32)
+    rnorm = jax.lax.rsqrt(jnp.maximum(sumsq, eps * eps))
+    y = x32 * s32 * rnorm
+    # d(u / |u|) = (dy - y <y, dy>) / |u|
+    du = rnorm * (dy - jnp.where(clamped, 0.0, y * jnp.sum(y * dy, axis=-1, keepdims=True)))
+    return (du * s32).astype(x.dtype), _sum_to_shape(du * x32, s32.shape).astype(scale.dtype)
+
+
+def _sum_to_shape(a, shape):
+    """`a` summed over the axes that broadcasting `shape` against it added or stretched."""
+    lead = a.ndim - len(shape)
+    a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
+    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
+    return jnp.sum(a, axis=stretched, keepdims=True) if stretched else a
+
+
+_normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
 def _lora(policy, x_BTC, down, up):
@@ -148,7 +187,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     g = policy.einsum("btr,rc->btc", jax.nn.sigmoid(policy.einsum("btc,cr->btr", xg, p["g1"])),
                       p["g2"])
 
-    kk = normalize_heads((k.astype(f32) * p["k_k"].astype(f32)).reshape(B, T, H, N))
+    kk = normalize_heads(k.reshape(B, T, H, N), p["k_k"].reshape(H, N))
     k = k * (1 + (a - 1) * p["k_a"].astype(cd))
 
     heads = lambda t: t.reshape(B, T, H, N)  # noqa: E731
