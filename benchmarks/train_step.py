@@ -82,6 +82,12 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     compiled = prog.train_step.lower(state, batch_at()).compile()
     compile_s = time.perf_counter() - t0
     analysis = step_bytes(compiled)
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    # printed before the first step, so a case that then runs out of memory still says how
+    # much XLA planned for it and what the device offers
+    print("ANALYSIS " + json.dumps({
+        "xla_analysis_gib": round(analysis["peak"] / 2**30, 2) if analysis else None,
+        "device_limit_gib": round(limit / 2**30, 2) if limit else None}), flush=True)
     batches = [batch_at() for _ in range(4)]
     for i in range(warmup):
         state, metrics = compiled(state, batches[i % 4])
@@ -174,6 +180,9 @@ def main() -> None:
                 tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                 row = {"model": model, "precision": precision, "overrides": args.set,
                        "error": " | ".join(tail)[-400:]}
+                planned = [ln for ln in proc.stdout.splitlines() if ln.startswith("ANALYSIS ")]
+                if planned:
+                    row.update(json.loads(planned[-1][len("ANALYSIS "):]))
             else:
                 row = json.loads(lines[-1][4:])
             print(json.dumps(row), flush=True)
