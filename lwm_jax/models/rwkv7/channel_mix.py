@@ -56,11 +56,11 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + xx * p["x_k"].astype(cd)
-    act = jax.nn.relu(policy.einsum("btc,cf->btf", k, p["key"]))
+    pre = policy.einsum("btc,cf->btf", k, p["key"])
     if jnp.dtype(cd) == jnp.float16:
-        hidden, out = _squared_relu_fp16(policy, act, p["value"])
+        hidden, out = _squared_relu_fp16(policy, jax.nn.relu(pre), p["value"])
     else:
-        hidden = jnp.square(act)
+        hidden = squared_relu(pre)
         out = policy.einsum("btf,fc->btc", hidden, p["value"])
     if probe is not None:
         probe("hidden", hidden)
@@ -83,3 +83,22 @@ def _squared_relu_fp16(policy, act_BTF, value_FC):
     hidden = jnp.square(act32 / scale).astype(act_BTF.dtype)
     out = policy.einsum("btf,fc->btc", hidden, value_FC, out_dtype=jnp.float32) * (scale * scale)
     return hidden, out.astype(policy.compute_dtype)
+
+
+@jax.custom_vjp
+def squared_relu(x):
+    """`relu(x)²` in x's dtype; its gradient `2 relu(x) dy` is what autodiff computes, bit for
+    bit, but the forward keeps only relu(x) (autodiff keeps a mask and `2 relu(x)` besides)."""
+    return jnp.square(jax.nn.relu(x))
+
+
+def _squared_relu_fwd(x):
+    act = jax.nn.relu(x)
+    return jnp.square(act), act
+
+
+def _squared_relu_bwd(act, dy):
+    return (dy * (2 * act),)
+
+
+squared_relu.defvjp(_squared_relu_fwd, _squared_relu_bwd)
