@@ -72,8 +72,8 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
                   *, chunk_tokens: int, use_l2wrap: bool) -> jax.Array:
     """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
 
-    The positions are cut into chunks of about `chunk_tokens` tokens (`max(1, chunk_tokens // B)`
-    positions of every row, strided: chunk i holds positions i, i + NC, ... where NC is the
+    The positions are cut into the fewest chunks of at most `chunk_tokens` tokens (at most
+    `max(1, chunk_tokens // B)` positions of every row, as even as can be, strided: chunk i holds positions i, i + NC, ... where NC is the
     number of chunks, so a time axis sharded over devices stays sharded); a `lax.scan` computes each chunk's float32 logits, its share of the
     mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
     L2Wrap's term at the argmax) pulled back to `x` and `head_params`. The forward therefore
@@ -104,9 +104,9 @@ def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
 def _fused_forward(head_fn, chunk_tokens, use_l2wrap, x_BTC, head_params, targets_BT,
                    with_grad=True):
     B, T, C = x_BTC.shape
-    n = max(1, min(T, chunk_tokens // B))
-    NC = -(-T // n)
-    pad = NC * n - T
+    NC = -(-T // max(1, min(T, chunk_tokens // B)))   # chunks of at most chunk_tokens // B
+    n = -(-T // NC)                                    # positions per chunk, evened out:
+    pad = NC * n - T                                   # fewer than NC padded positions
     x_pad = jnp.pad(x_BTC, ((0, 0), (0, pad), (0, 0)))
     tgt_pad = jnp.pad(targets_BT.astype(jnp.int32), ((0, 0), (0, pad)))
     valid = (jnp.arange(NC * n) < T).astype(jnp.float32)
