@@ -10,6 +10,8 @@
 #   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
 #   bash tools/device_throughput.sh reset [..]    # 0.1B, documents of ~1000 tokens: state carried
 #                                                 # across them vs data.reset_at_document_boundary
+#   bash tools/device_throughput.sh longest [..]  # 0.1B: the longest context one GPU trains
+#                                                 # (remat + layer scan; compile-only search)
 #   bash tools/device_throughput.sh ab MODEL [..] # same-call A/B: .peer/rev's lwm_jax (an older
 #                                                 # commit) against this tree, twice, alternating
 # For `ab`, snapshot the older commit first (here, not on the device; .peer is carried):
@@ -46,6 +48,12 @@ case "$mode" in
       python3 benchmarks/train_step.py --models 0.1b --doc-len 1000 --out "$OUT/ours_reset.jsonl" \
         --set data.reset_at_document_boundary=$r "$@"
     done ;;
+  longest)
+    # GEMM autotuning off: each probe is a compile (the search needs only XLA's memory plan);
+    # the final 2-step run then also runs untuned (its xla_flags are in its row)
+    XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 560 python3 benchmarks/longest_context.py \
+      --model 0.1b --lo 1048576 --hi 4194304 --multiple 262144 --run --out "$OUT/longest.jsonl" \
+      --set runtime.remat=true runtime.scan_layers=true "$@" ;;
   ab)
     model=${1:?usage: $0 ab 0.1b|1.5b [train_step.py args]}; shift
     test -d .peer/rev/lwm_jax || { echo "ab: no .peer/rev/lwm_jax (see the header)" >&2; exit 2; }
@@ -54,6 +62,6 @@ case "$mode" in
         --out "$OUT/ab_rev.jsonl" "$@"
       python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
     done ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset|ab MODEL [train_step.py args]" >&2
+  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset|longest|ab MODEL [train_step.py args]" >&2
      exit 2 ;;
 esac
