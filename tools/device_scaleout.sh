@@ -3,6 +3,7 @@
 #
 #   bash tools/device_scaleout.sh dp         # data parallel, 0.1B and 1.5B (rows in $OUT/scaleout.jsonl)
 #   bash tools/device_scaleout.sh fsdp       # 1M-token sequence parallel, then FSDP of a ~7B model
+#   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
@@ -29,6 +30,10 @@ if [ "$part" = dp ]; then
   case_ 120 0,1 --models 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
   case_ 150 0   --models 1.5b --steps 6
   case_ 150 0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+elif [ "$part" = longest ]; then
+  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 560 python3 benchmarks/longest_context.py \
+    --model 0.1b --lo 1048576 --hi 8388608 --multiple 524288 --run --out "$OUT/longest_sp.jsonl" \
+    --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
 else
   case_ 120 0,1 --models 0.1b --steps 2 --warmup 1 --set train.batch_size=1 train.ctx_len=1048576 \
     runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
