@@ -74,9 +74,7 @@ def _statistics(x, n_groups: int, eps: float):
 # centred and normalised values (two or three float32 copies of x) for every norm of the model.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _group_norm(x, weight, bias, n_groups, eps, out_dtype):
-    xg, mean, rstd = _statistics(x, n_groups, eps)
-    y = ((xg - mean) * rstd).reshape(x.shape)
-    return (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(out_dtype)
+    return _group_norm_fwd(x, weight, bias, n_groups, eps, out_dtype)[0]
 
 
 def _group_norm_fwd(x, weight, bias, n_groups, eps, out_dtype):
