@@ -18,7 +18,10 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 case "${1:-}" in
   tests)
     python3 -m pytest -q tests/train/test_gpu_training.py tests/ops/wkv7/test_wkv7_pallas.py \
-      tests/ops/wkv7/test_wkv7_aligned_keys.py 2>&1 | tee "$OUT/gpu_tests.log" ;;
+      tests/ops/wkv7/test_wkv7_aligned_keys.py tests/layers/test_norms.py \
+      tests/layers/test_rms_norm.py tests/models/rwkv7/test_kk_normalise.py \
+      tests/models/rwkv7/test_squared_relu.py tests/test_fp32_islands.py \
+      2>&1 | tee "$OUT/gpu_tests.log" ;;
   ours)
     for run in "bf16-mixed ours_bf16 --init-hf /tmp/parity/init_hf" \
                "bf16-mixed ours_bf16_random --random-tokens"; do
