@@ -9,9 +9,11 @@ largest T that fits; with `--run` that T is then trained for a few steps on rand
 (`benchmarks/train_step.py`'s timer, its own process) to show the plan holds: tokens/s and the
 allocator's peak. One JSON line per probe and a summary line.
 
-    python benchmarks/longest_context.py --model 0.1b --set runtime.remat=true runtime.scan_layers=true --run
-    python benchmarks/longest_context.py --model 0.1b --set mesh.data=1 mesh.sequence=2 ... --run  # 2 GPUs
-    python benchmarks/longest_context.py --model tiny --limit-gib 2 --lo 1024 --hi 65536 --multiple 1024  # CPU
+    python benchmarks/longest_context.py --model 0.1b --run \
+        --set runtime.remat=true runtime.scan_layers=true
+    python benchmarks/longest_context.py --model 0.1b --run --set mesh.data=1 mesh.sequence=2 ...
+    python benchmarks/longest_context.py --model tiny --limit-gib 2 --lo 1024 --hi 65536 \
+        --multiple 1024                                                 # CPU: a given limit
 
 On a CPU the limit must be given (`--limit-gib`): the host's memory is not a device's. The CPU
 analysis also differs from a GPU's (the CPU runs the chunked XLA WKV): search on the device.
@@ -26,9 +28,8 @@ import sys
 import time
 from typing import Callable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import MODELS  # noqa: E402  (the same model table as the throughput bench)
+from train_step import MODELS, case_config  # noqa: E402  (the throughput bench's cases)
 
 
 def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int, multiple: int) -> int | None:
@@ -46,21 +47,17 @@ def largest_fitting(fits: Callable[[int], bool], lo: int, hi: int, multiple: int
     return lo_k * multiple
 
 
-def planned_bytes(model: str, ctx: int, overrides: list[str]):
+def planned_bytes(model: str, precision: str, ctx: int, overrides: list[str]):
     """`(run config, XLA's memory analysis in bytes per device)` of the train step at context
-    `ctx`, compiled and not run."""
+    `ctx` (batch 1 unless `overrides` say otherwise), compiled and not run."""
     import jax
     import numpy as np
 
-    from lwm_jax.train.config import load_config
     from lwm_jax.train.preflight import step_bytes
     from lwm_jax.train.sharding import tokens_sharding
     from lwm_jax.train.trainer import build_program
 
-    cfg = load_config(os.path.join(REPO, MODELS[model][0]),
-                      ["train.batch_size=1", "train.grad_accum=1", "mesh.data=-1", "mesh.fsdp=1",
-                       "data.path=null", "data.val_path=null", *overrides,
-                       f"train.ctx_len={ctx}"])
+    cfg = case_config(model, precision, ["train.batch_size=1", *overrides, f"train.ctx_len={ctx}"])
     prog = build_program(cfg)
     tokens = jax.ShapeDtypeStruct((cfg.train.batch_size, ctx + 1), np.int32,
                                   sharding=tokens_sharding(prog.mesh))
@@ -71,6 +68,7 @@ def planned_bytes(model: str, ctx: int, overrides: list[str]):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="0.1b", choices=sorted(MODELS))
+    ap.add_argument("--precision", default="bf16-mixed")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="dotted config overrides (runtime.remat=true, mesh.sequence=2, ...)")
     ap.add_argument("--lo", type=int, default=1 << 20, help="smallest context tried (tokens)")
@@ -87,13 +85,13 @@ def main() -> None:
 
     import jax
 
-    from lwm_jax.train.preflight import check_step_fits
+    from lwm_jax.train.preflight import check_step_fits, device_memory
 
     dev = jax.local_devices()[0]
     if args.limit_gib is not None:
         limit = int(args.limit_gib * 2**30)
     else:
-        limit = (dev.memory_stats() or {}).get("bytes_limit") if dev.platform != "cpu" else None
+        limit = device_memory()[0] if dev.platform != "cpu" else None   # not the host's
         if not limit:
             sys.exit("longest_context: this device reports no memory limit; pass --limit-gib")
 
@@ -107,7 +105,7 @@ def main() -> None:
     def fits(ctx: int) -> bool:
         t0 = time.perf_counter()
         try:
-            cfg, plan = planned_bytes(args.model, ctx, args.set)
+            cfg, plan = planned_bytes(args.model, args.precision, ctx, args.set)
         except Exception as err:        # noqa: BLE001 -- e.g. the compiler itself runs out
             emit({"ctx": ctx, "fits": False, "error": f"{type(err).__name__}: {err}"[:300]})
             return False
@@ -119,17 +117,19 @@ def main() -> None:
         except ValueError:
             ok = False
         emit({"ctx": ctx, "fits": ok, "planned_gib": round(plan["peak"] / 2**30, 2),
-              "limit_gib": round(limit / 2**30, 2), "compile_s": round(time.perf_counter() - t0, 1)})
+              "limit_gib": round(limit / 2**30, 2),
+              "compile_s": round(time.perf_counter() - t0, 1)})
         return ok
 
     best = largest_fitting(fits, args.lo, args.hi, args.multiple)
-    summary = {"model": args.model, "overrides": args.set, "device": dev.device_kind,
+    summary = {"model": args.model, "precision": args.precision, "overrides": args.set,
+               "device": dev.device_kind,
                "devices": jax.device_count(), "jax": jax.__version__, "largest_ctx": best,
                "searched": [args.lo, args.hi, args.multiple]}
     if best is not None and args.run:
         cmd = [sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                             "train_step.py"), "--models", args.model,
-               "--steps", str(args.steps), "--warmup", "1",
+               "--precisions", args.precision, "--steps", str(args.steps), "--warmup", "1",
                "--set", "train.batch_size=1", *args.set, f"train.ctx_len={best}"]
         proc = subprocess.run(cmd, capture_output=True, text=True)
         rows = [json.loads(ln) for ln in proc.stdout.splitlines() if ln.startswith("{")]

@@ -17,10 +17,12 @@ torch's `max_memory_allocated`), the step's compile time, and the loss of the la
 
     python benchmarks/train_step.py                                  # 0.1B 8x4096, 1.5B 2x4096, bf16-mixed
     python benchmarks/train_step.py --precisions bf16-mixed fp32-fast fp32
-    python benchmarks/train_step.py --models 0.1b --set runtime.remat=true train.loss_chunk=8192
+    python benchmarks/train_step.py --models 0.1b --set runtime.remat=true \
+        train.loss_chunk=8192
     python benchmarks/train_step.py --models 0.1b --profile $OUT/prof   # + top ops by GPU time
     python benchmarks/train_step.py --models tiny --steps 2            # CPU smoke run
-    python benchmarks/train_step.py --models 0.1b --doc-len 1000 --set data.reset_at_document_boundary=true
+    python benchmarks/train_step.py --models 0.1b --doc-len 1000 \
+        --set data.reset_at_document_boundary=true
 
 `fp32` cases run with `XLA_FLAGS=--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0`
 unless `--fp32-autotune` is given: with XLA's default GEMM autotuning the first fp32 step
@@ -49,23 +51,30 @@ PEAK_TFLOPS = 989.0
 FP32_XLA_FLAGS = "--xla_gpu_enable_triton_gemm=false --xla_gpu_autotune_level=0"
 
 
+def case_config(model: str, precision: str, overrides: list[str]):
+    """The run config of one case: the model's config file at its benchmark shape, `precision`,
+    no data files, every device data-parallel, then `overrides` (dotted, last wins)."""
+    from lwm_jax.train.config import load_config
+
+    path, batch, ctx = MODELS[model]
+    return load_config(os.path.join(REPO, path),
+                       [f"precision={precision}", f"train.batch_size={batch}",
+                        f"train.ctx_len={ctx}", "train.grad_accum=1", "mesh.data=-1",
+                        "mesh.fsdp=1", "data.path=null", "data.val_path=null", *overrides])
+
+
 def run_case(model: str, precision: str, overrides: list[str], steps: int, warmup: int,
              profile: str | None, doc_len: int = 0) -> dict:
     """Build and time one case in this process; returns its JSON row."""
     import jax
     import numpy as np
 
-    from lwm_jax.train.config import load_config
     from lwm_jax.train.params import count_params
-    from lwm_jax.train.preflight import step_bytes
+    from lwm_jax.train.preflight import device_memory, step_bytes
     from lwm_jax.train.sharding import tokens_sharding
     from lwm_jax.train.trainer import build_program
 
-    path, batch, ctx = MODELS[model]
-    cfg = load_config(os.path.join(REPO, path),
-                      [f"precision={precision}", f"train.batch_size={batch}",
-                       f"train.ctx_len={ctx}", "train.grad_accum=1", "mesh.data=-1",
-                       "mesh.fsdp=1", "data.path=null", "data.val_path=null", *overrides])
+    cfg = case_config(model, precision, overrides)
     t = cfg.train
     prog = build_program(cfg)
     state = prog.init_state()
@@ -82,7 +91,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     compiled = prog.train_step.lower(state, batch_at()).compile()
     compile_s = time.perf_counter() - t0
     analysis = step_bytes(compiled)
-    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+    limit = device_memory()[0]
     # printed before the first step, so a case that then runs out of memory still says how
     # much XLA planned for it and what the device offers
     print("ANALYSIS " + json.dumps({

@@ -303,10 +303,10 @@ def _progress(total: int, enabled: bool):
 
 def run_prepare(args: argparse.Namespace) -> int:
     """Runs `prepare` from parsed `add_prepare_args` options; prints a summary; returns 0."""
-    if getattr(args, "workers", None) is not None and args.workers < 1:
-        raise ValueError(f"--workers must be >= 1, got {args.workers} (1 = no worker processes)")
-    tok = get_tokenizer(args.tokenizer, eod_token=args.eod_token)
     workers = getattr(args, "workers", None)
+    if workers is not None and workers < 1:
+        raise ValueError(f"--workers must be >= 1, got {workers} (1 = no worker processes)")
+    tok = get_tokenizer(args.tokenizer, eod_token=args.eod_token)
     if workers is None:
         workers = auto_workers(sum(f.stat().st_size for f in expand_inputs(args.input)), tok)
     res = prepare(args.input, args.output, tok, text_key=args.text_key, append_eod=not args.no_eod,

@@ -73,9 +73,10 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
     """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
 
     The positions are cut into the fewest chunks of at most `chunk_tokens` tokens (at most
-    `max(1, chunk_tokens // B)` positions of every row, as even as can be, strided: chunk i holds positions i, i + NC, ... where NC is the
-    number of chunks, so a time axis sharded over devices stays sharded); a `lax.scan` computes each chunk's float32 logits, its share of the
-    mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
+    `max(1, chunk_tokens // B)` positions of every row, as even as can be), strided: chunk i
+    holds positions i, i + NC, ... where NC is the number of chunks, so a time axis sharded
+    over devices stays sharded. A `lax.scan` computes each chunk's float32 logits, its share of
+    the mean cross-entropy and, right away, the gradient of that share (softmax minus one-hot, plus
     L2Wrap's term at the argmax) pulled back to `x` and `head_params`. The forward therefore
     keeps `d x` (`[B, T, C]` float32) and the head gradient, and the backward only scales
     them by the incoming cotangent: no logits are recomputed and none outlive their chunk.

@@ -10,9 +10,9 @@ holds the device work of every step in the window. A run resumed inside the wind
 rest of it; one resumed past it traces nothing. Only process 0 traces (a trace names its host,
 and two processes of one host would write the same file).
 
-The model code wraps its pieces in `jax.named_scope` (RWKV-7: `embed`, `block_norm`, `time_mix`,
-`wkv`, `channel_mix`; Llama: `attention`, `mlp`; both: `head`; the step: `loss`, `optimizer`), so the ops of a trace
-carry names like `jit(step)/.../time_mix/wkv/...`.
+The model code wraps its pieces in `jax.named_scope` (RWKV-7: `embed`, `block_norm`,
+`time_mix`, `wkv`, `channel_mix`; Llama: `attention`, `mlp`; both: `head`; the step: `loss`,
+`optimizer`), so the ops of a trace carry names like `jit(step)/.../time_mix/wkv/...`.
 """
 from __future__ import annotations
 

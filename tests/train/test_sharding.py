@@ -127,8 +127,10 @@ def test_8_device_meshes_match_one_device(tmp_path):
     _run_driver(tmp_path, data, ["1"], 1, batch=8)
     _run_driver(tmp_path, data, meshes, 8, batch=8)
     ref, ref_params = _load(tmp_path, "1")
+    assert len(ref["losses"]) == 3 and ref["losses"][2] < ref["losses"][0]   # it learns
     for mesh in meshes:
         meta, params = _load(tmp_path, mesh)
+        assert params.keys() == ref_params.keys(), mesh
         # the WKV runs per device inside a shard_map on every multi-device mesh, with T split
         # over `sequence` inside it (not only around it) wherever that axis splits
         assert meta["seq_parallel"], mesh

@@ -92,7 +92,7 @@ def decay_log(p: dict, x_w_BTC, policy):
 
 def normalize_heads(x_BTHN, scale_HN=None, eps: float = KK_EPS):
     """fp32 island: `u / max(||u||_2, eps)` over the head dim (last axis), `u = x * scale` formed
-    in float32 (`scale` broadcast against x, e.g. `k_k` as `[H, N]`; None = 1). Returns float32.
+    in float32 (`scale`: x's trailing dims, e.g. `k_k` as `[H, N]`, or None = 1). Returns float32.
 
     Written as `u * rsqrt(max(sum u², eps²))` so the gradient stays finite at u = 0. The
     backward is written by hand: the forward keeps x in its own (often 16-bit) dtype and one
@@ -124,15 +124,8 @@ def _normalize_heads_bwd(eps, res, dy):
     y = x32 * s32 * rnorm
     # d(u / |u|) = (dy - y <y, dy>) / |u|
     du = rnorm * (dy - jnp.where(clamped, 0.0, y * jnp.sum(y * dy, axis=-1, keepdims=True)))
-    return (du * s32).astype(x.dtype), _sum_to_shape(du * x32, s32.shape).astype(scale.dtype)
-
-
-def _sum_to_shape(a, shape):
-    """`a` summed over the axes that broadcasting `shape` against it added or stretched."""
-    lead = a.ndim - len(shape)
-    a = jnp.sum(a, axis=tuple(range(lead))) if lead else a
-    stretched = tuple(i for i, n in enumerate(shape) if n == 1 and a.shape[i] != 1)
-    return jnp.sum(a, axis=stretched, keepdims=True) if stretched else a
+    d_scale = jnp.sum(du * x32, axis=tuple(range(du.ndim - s32.ndim)))  # over the lead axes
+    return (du * s32).astype(x.dtype), d_scale.astype(scale.dtype)
 
 
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
