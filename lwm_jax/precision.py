@@ -130,13 +130,14 @@ class Policy:
                        preferred_element_type=jnp.float32)
         return y.astype(out_dtype)
 
-    def einsum_f32(self, spec: str, *operands):
+    def einsum_f32(self, spec: str, *operands, precision: str | None = None):
         """fp32 einsum for the fp32 islands (logits, decay): operands upcast, result float32.
 
-        Operands are stored and accumulated in fp32; the multiply uses this policy's matmul
-        precision, so under `fp32` it is IEEE fp32 and under the mixed presets it is what XLA
-        does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never less
-        precise than a bf16 matmul, and as fast as the hardware's fp32 path allows.
+        Operands are stored and accumulated in fp32; the forward multiply uses `precision` if
+        given (an island that needs IEEE float32 whatever the policy passes "highest"), else
+        this policy's matmul precision: under `fp32` IEEE fp32, under the mixed presets what
+        XLA does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never
+        less precise than a bf16 matmul, and as fast as the hardware's fp32 path allows.
 
         The island is the forward value. Under a 16-bit compute dtype the two backward products
         (two operands) take 16-bit operands with float32 accumulation and float32 gradients,
@@ -144,11 +145,12 @@ class Policy:
         gradient GEMMs were two thirds of its time as TF32.
         """
         ops = [x.astype(jnp.float32) for x in operands]
+        forward = self.lax_precision if precision is None else jax.lax.Precision(precision)
         if len(ops) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
             _einsum_terms(spec)               # a spec the custom backward cannot transpose
-            return _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision, *ops)
-        return jnp.einsum(spec, *ops, precision=self.lax_precision,
-                          preferred_element_type=jnp.float32)
+            return _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
+                                  forward, *ops)
+        return jnp.einsum(spec, *ops, precision=forward, preferred_element_type=jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -197,21 +199,28 @@ def _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct):
 _low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _island_einsum(spec: str, compute_dtype, precision, x, y):
-    """`einsum(spec, x, y)` on float32 operands (an fp32 island's forward), whose backward
-    products round the cotangent and the saved operands to the 16-bit `compute_dtype` and
-    accumulate in float32 (`_low_precision_einsum_bwd`); gradients are float32."""
-    return jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _island_einsum(spec: str, compute_dtype, precision, forward_precision, x, y):
+    """`einsum(spec, x, y)` on float32 operands at `forward_precision` (an fp32 island's
+    forward), whose backward products round the cotangent and the saved operands to the 16-bit
+    `compute_dtype` and accumulate in float32 at `precision` (`_low_precision_einsum_bwd`);
+    gradients are float32."""
+    return jnp.einsum(spec, x, y, precision=forward_precision,
+                      preferred_element_type=jnp.float32)
 
 
-def _island_einsum_fwd(spec, compute_dtype, precision, x, y):
-    out = jnp.einsum(spec, x, y, precision=precision, preferred_element_type=jnp.float32)
+def _island_einsum_fwd(spec, compute_dtype, precision, forward_precision, x, y):
+    out = jnp.einsum(spec, x, y, precision=forward_precision,
+                     preferred_element_type=jnp.float32)
     return out, (x.astype(compute_dtype), y.astype(compute_dtype),
                  np.zeros((0,), x.dtype), np.zeros((0,), y.dtype))
 
 
-_island_einsum.defvjp(_island_einsum_fwd, _low_precision_einsum_bwd)
+def _island_einsum_bwd(spec, compute_dtype, precision, forward_precision, res, ct):
+    return _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct)
+
+
+_island_einsum.defvjp(_island_einsum_fwd, _island_einsum_bwd)
 
 
 def _cast_floats(tree, dtype):

@@ -156,7 +156,10 @@ def test_gpu_floors_model_tf32_products(rwkv):
     for name in ("logits", "wkv", "wkv_state", "ffn", "decay"):
         for c, g, e in zip(_rows(cpu, name), _rows(gpu, name), _rows(exact, name)):
             assert c.floor_rel < 1e-6 and e.floor_rel < 1e-6, (c, e)   # IEEE products
-            assert g.floor_rel > 2e-5, g                                # TF32 operands
+            if name == "decay":          # the decay island's products are IEEE under every policy
+                assert g.floor_rel < 1e-6, g
+            else:
+                assert g.floor_rel > 2e-5, g                            # TF32 operands
             assert g.local_rel == c.local_rel                           # same CPU values
     assert "on gpu" in format_table(gpu) and gpu.platform == "gpu"
     mixed = precision_report(rwkv, TOKENS, "bf16-mixed", shadow=None, platform="gpu")

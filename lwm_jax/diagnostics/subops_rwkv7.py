@@ -51,8 +51,8 @@ def _mixed(ctx: Context, x_BTC, norm: str, mix, layer: int):
 
 def decay_local(ctx: Context, layer: int) -> Local:
     """`w = -exp(-0.5) sigmoid(w0 + tanh(x_w w1) w2)`; floor: x_w stored in the compute dtype
-    (as TimeMix has it), everything after in float32 (the decay island), the LoRA's products
-    at the policy's matmul precision."""
+    (as TimeMix has it), everything after in float32 (the decay island, whose LoRA products
+    are IEEE float32 under every policy)."""
     p = _layer(ctx, "att", layer)
     x_w = _mixed(ctx, _layer_input(ctx, layer), "ln1", p["x_w"], layer)
 
@@ -60,7 +60,7 @@ def decay_local(ctx: Context, layer: int) -> Local:
         hidden = np.tanh(prod(x) @ prod(p["w1"]))
         return -DECAY_SCALE * sigmoid64(p["w0"] + prod(hidden) @ prod(p["w2"]))
     ref = w_of(x_w, lambda a: a)
-    floor = storage(w_of(storage(x_w, ctx.compute_dtype), ctx.product), F32)
+    floor = storage(w_of(storage(x_w, ctx.compute_dtype), lambda a: a), F32)
     value = ctx.tap(f"layer{layer}/att/w").reshape(ref.shape)
     return Local(value, ref, floor)
 

@@ -82,11 +82,15 @@ class TimeMix(nnx.Module):
 def decay_log(p: dict, x_w_BTC, policy):
     """fp32 island: log-decay `w = -exp(-0.5) * sigmoid(w0 + tanh(x_w @ w1) @ w2)`.
 
-    Both LoRA matmuls take fp32 operands and return fp32 (`policy.einsum_f32`); `w0` is upcast.
-    Returns `[B, T, C]` float32 in `(-0.6065, 0)`.
+    Both LoRA matmuls take fp32 operands and multiply them in IEEE float32 whatever the policy
+    (`policy.einsum_f32(..., precision="highest")`; a TF32 product, the GPU's `default`, puts
+    ~4e-4 relative error on a slow channel's `w`, which `exp(T w)` multiplies by T); `w0` is
+    upcast. The backward products are the policy's (`einsum_f32`). Returns `[B, T, C]` float32
+    in `(-0.6065, 0)`.
     """
-    hidden = jnp.tanh(policy.einsum_f32("btc,cr->btr", x_w_BTC, p["w1"]))
-    d = p["w0"].astype(jnp.float32) + policy.einsum_f32("btr,rc->btc", hidden, p["w2"])
+    hidden = jnp.tanh(policy.einsum_f32("btc,cr->btr", x_w_BTC, p["w1"], precision="highest"))
+    d = p["w0"].astype(jnp.float32) + policy.einsum_f32("btr,rc->btc", hidden, p["w2"],
+                                                        precision="highest")
     return -DECAY_SCALE * jax.nn.sigmoid(d)
 
 
