@@ -5,16 +5,12 @@ are taken in float32, the normalised value gets its affine weight/bias applied i
 the result is cast to the requested output dtype. bf16 statistics break on inputs with a large
 mean and a small spread (e.g. 300 + 0.01·noise: bf16 cannot even represent the deviations).
 
-Both share one float32 implementation with a hand-written backward that keeps only the input and
-two float32 numbers per row (per group) from the forward pass.
-
 The pure functions (`layer_norm`, `group_norm`) are what the RWKV-7 blocks call on one layer's
 slice of stacked parameters; the modules hold the parameters (optionally stacked with a leading
 `layers` axis) and call the same functions.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
@@ -36,7 +32,14 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None):
     Returns:
       `[..., C]` in `out_dtype`.
     """
-    return _group_norm(x, weight, bias, 1, float(eps), _dtype(x, out_dtype))
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centred = x32 - mean
+    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    y = centred * jax.lax.rsqrt(var + eps)
+    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
 def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = None):
@@ -51,55 +54,17 @@ def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = N
     Returns:
       `[..., C]` in `out_dtype`.
     """
+    out_dtype = x.dtype if out_dtype is None else out_dtype
     C = x.shape[-1]
     if C % n_groups:
         raise ValueError(f"group_norm: channels {C} not divisible by n_groups={n_groups}")
-    return _group_norm(x, weight, bias, int(n_groups), float(eps), _dtype(x, out_dtype))
-
-
-def _dtype(x, out_dtype) -> np.dtype:
-    return np.dtype(x.dtype if out_dtype is None else out_dtype)
-
-
-def _statistics(x, n_groups: int, eps: float):
-    """(float32 x as `[..., G, C/G]`, mean and 1/std `[..., G, 1]`): two-pass variance."""
-    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n_groups, x.shape[-1] // n_groups)
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n_groups, C // n_groups)
     mean = jnp.mean(xg, axis=-1, keepdims=True)
-    var = jnp.mean(jnp.square(xg - mean), axis=-1, keepdims=True)
-    return xg, mean, jax.lax.rsqrt(var + eps)
-
-
-# The backward is written by hand so that the forward keeps only x (in its own, often 16-bit,
-# dtype) and two float32 numbers per group: autodiff of the forward would keep the float32
-# centred and normalised values (two or three float32 copies of x) for every norm of the model.
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _group_norm(x, weight, bias, n_groups, eps, out_dtype):
-    return _group_norm_fwd(x, weight, bias, n_groups, eps, out_dtype)[0]
-
-
-def _group_norm_fwd(x, weight, bias, n_groups, eps, out_dtype):
-    xg, mean, rstd = _statistics(x, n_groups, eps)
-    y = ((xg - mean) * rstd).reshape(x.shape)
-    out = (y * weight.astype(jnp.float32) + bias.astype(jnp.float32)).astype(out_dtype)
-    return out, (x, weight, bias, mean, rstd)
-
-
-def _group_norm_bwd(n_groups, eps, out_dtype, res, dy):
-    x, weight, bias, mean, rstd = res
-    xhat = (x.astype(jnp.float32).reshape(*mean.shape[:-1], -1) - mean) * rstd    # [..., G, N]
-    dy32 = dy.astype(jnp.float32)
-    lead = tuple(range(dy.ndim - 1))
-    d_weight = jnp.sum(dy32 * xhat.reshape(x.shape), axis=lead)
-    d_bias = jnp.sum(dy32, axis=lead)
-    g = (dy32 * weight.astype(jnp.float32)).reshape(xhat.shape)     # d loss / d xhat
-    # d xhat/dx applied to g: (g - mean(g) - xhat * mean(g * xhat)) / std, per group
-    dx = rstd * (g - jnp.mean(g, axis=-1, keepdims=True)
-                 - xhat * jnp.mean(g * xhat, axis=-1, keepdims=True))
-    return (dx.reshape(x.shape).astype(x.dtype), d_weight.astype(weight.dtype),
-            d_bias.astype(bias.dtype))
-
-
-_group_norm.defvjp(_group_norm_fwd, _group_norm_bwd)
+    centred = xg - mean
+    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    y = (centred * jax.lax.rsqrt(var + eps)).reshape(x.shape)
+    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
 
 
 def _stack_axes(stack: tuple[int, ...]) -> tuple[str, ...]:

@@ -1,5 +1,9 @@
-"""LayerNorm / GroupNorm: the hand-written backward against float64 autodiff, and what the
-forward keeps for it."""
+"""LayerNorm / GroupNorm: values and gradients against float64 autodiff.
+
+A hand-written backward keeping only x and two float32 numbers per group (not float32 copies
+of x) was tried on 2026-11-24: XLA's plan of the 0.1B step on a CPU shrank, but on an H100 the
+peak memory was unchanged (30.27 vs 30.26 GiB: the GPU compiler already recomputes those copies
+inside its fusions) and the step 1.8 ms slower, so autodiff stays (benchmarks/RESULTS.md)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -49,18 +53,3 @@ def test_gradients_match_float64(groups, eps, dtype):
         got = np.asarray(jnp.asarray(got, jnp.float32), np.float64)
         err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
         assert err < (2e-6 if name in ("out", "dw", "db") else tol), (name, err)
-
-
-@pytest.mark.parametrize("groups", [1, 4])
-def test_forward_keeps_no_float32_copy_of_a_16_bit_input(groups):
-    """What the backward needs from the forward: x in its own dtype and two float32 numbers per
-    row and group; no float32 `[..., C]` array (autodiff of the same math would keep several)."""
-    x = jnp.ones((2, 8, 64), jnp.bfloat16)
-    w, b = jnp.ones(64), jnp.zeros(64)
-    fn = _call(groups, 1e-5, jnp.bfloat16)
-    _, pullback = jax.vjp(lambda x: fn(x, w, b), x)
-    kept = jax.tree.leaves(pullback)          # the arrays the pullback closes over
-    big_f32 = [a for a in kept if a.dtype == jnp.float32 and a.size >= x.size]
-    shapes = [(str(a.dtype), a.shape) for a in kept]
-    assert not big_f32, shapes
-    assert any(a.dtype == jnp.bfloat16 and a.shape == x.shape for a in kept), shapes
