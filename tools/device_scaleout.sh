@@ -31,7 +31,7 @@ if [ "$part" = dp ]; then
   case_ 150 0   --models 1.5b --steps 6
   case_ 150 0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
 elif [ "$part" = longest ]; then
-  XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 560 python3 benchmarks/longest_context.py \
+  timeout 560 python3 benchmarks/longest_context.py --search-untuned \
     --model 0.1b --lo 1048576 --hi 8388608 --multiple 524288 --run --out "$OUT/longest_sp.jsonl" \
     --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
 else

@@ -49,9 +49,10 @@ case "$mode" in
         --set data.reset_at_document_boundary=$r "$@"
     done ;;
   longest)
-    # GEMM autotuning off: each probe is a compile (the search needs only XLA's memory plan);
-    # the final 2-step run then also runs untuned (its xla_flags are in its row)
-    XLA_FLAGS=--xla_gpu_autotune_level=0 timeout 560 python3 benchmarks/longest_context.py \
+    # probes without GEMM autotuning (each is a compile: the search needs only XLA's memory
+    # plan); the final 2-step run is autotuned as `lwm-jax train` is. JAX takes 75% of the GPU
+    # unless XLA_PYTHON_CLIENT_MEM_FRACTION says otherwise (docs/distributed.md).
+    timeout 560 python3 benchmarks/longest_context.py --search-untuned \
       --model 0.1b --lo 1048576 --hi 4194304 --multiple 262144 --run --out "$OUT/longest.jsonl" \
       --set runtime.remat=true runtime.scan_layers=true "$@" ;;
   ab)
