@@ -45,18 +45,35 @@ def step_bytes(compiled) -> dict[str, int] | None:
 
 def device_memory() -> tuple[int | None, str]:
     """`(bytes one step may use, what that is)`: one accelerator's `bytes_limit`, or, for CPU
-    devices (which share the host), the host's available memory over the local device count."""
+    devices (which share the host), the host's available memory over the local device count.
+
+    On a GPU, JAX's allocator takes 75% of the memory unless `XLA_PYTHON_CLIENT_MEM_FRACTION`
+    says otherwise; when that default is in force the description says so and how to raise it
+    (an 80 GB H100 is then a 59.4 GiB device)."""
     local = jax.local_devices()
     if local[0].platform != "cpu":
         try:
             limit = (local[0].memory_stats() or {}).get("bytes_limit")
         except Exception:
             limit = None
-        return limit, f"memory of one {local[0].device_kind}"
+        what = f"memory of one {local[0].device_kind}"
+        if local[0].platform == "gpu" and _default_gpu_fraction():
+            what += (" (JAX's default 75% of it: set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 "
+                     "before starting to give it more)")
+        return limit, what
     host = host_memory_available()
     if host is None:
         return None, "available host memory"
     return host // max(1, len(local)), "available host memory"
+
+
+def _default_gpu_fraction() -> bool:
+    """True when JAX's GPU allocator runs with its default memory fraction (0.75): no
+    `XLA_PYTHON_CLIENT_MEM_FRACTION` and not the `platform` allocator (which has no cap).
+    Turning preallocation off keeps the cap; it only stops taking it all at start."""
+    env = os.environ
+    return ("XLA_PYTHON_CLIENT_MEM_FRACTION" not in env
+            and env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() != "platform")
 
 
 def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | None,

@@ -63,3 +63,29 @@ def test_the_cli_refuses_before_the_first_step(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert "memory of one test device" in err[0] and "train.batch_size=4" in err[0]
+
+
+class _FakeGpu:
+    platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+    def memory_stats(self):
+        return {"bytes_limit": 63_761_000_000}
+
+
+def test_on_a_gpu_the_default_memory_fraction_is_named_with_its_fix(monkeypatch):
+    """JAX gives itself 75% of a GPU by default: a refused step's line says so and how to raise
+    it (the 0.1B step at 524288 tokens fits an H100 only with more), and not when it is set."""
+    import lwm_jax.train.preflight as preflight
+    monkeypatch.setattr(preflight.jax, "local_devices", lambda: [_FakeGpu()])
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_ALLOCATOR", raising=False)
+    have, what = preflight.device_memory()
+    assert have == 63_761_000_000 and "XLA_PYTHON_CLIENT_MEM_FRACTION=0.95" in what
+    cfg = load_config(None, SMALL)
+    with pytest.raises(ValueError, match="default 75% of it: set XLA_PYTHON_CLIENT_MEM_FRACTION"):
+        check_step_fits(cfg, {"peak": have, "arguments": 0, "temp": have}, have, what)
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    assert preflight.device_memory() == (have, "memory of one NVIDIA H100 80GB HBM3")
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_ALLOCATOR", "platform")
+    assert "FRACTION" not in preflight.device_memory()[1]
