@@ -4,6 +4,7 @@
 #   bash tools/device_throughput.sh prefill       # prefill [1, 4096]: ours then FLA, logits on both sides
 #   bash tools/device_throughput.sh profile [..]  # ours, 0.1B + 1.5B bf16-mixed, top GPU ops (extra args: train_step.py's)
 #   bash tools/device_throughput.sh train MODEL [..]  # FLA amp first (autotune), then ours bf16-mixed, same call
+#   bash tools/device_throughput.sh peer-tune MODEL   # FLA alone, to keep its autotuning (see peer())
 #
 # FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: 116 s of
 # warm-up; 0.1B did not finish in 240 s on 2026-11-23): one model per call, the peer first.
@@ -22,8 +23,23 @@ set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+# FLA's Triton autotuning outlasts a call on a fresh machine (0.1B: > 420 s on an H100,
+# 2026-11-24). FLA asks Triton to keep its autotuning results (`cache_results`, FLA_CACHE_RESULTS
+# defaults to 1) in TRITON_CACHE_DIR: `peer-tune MODEL` runs FLA alone and returns those small
+# JSON files as $OUT/fla_autotune_<gpu>.tgz; copy it into .peer/ and later calls restore it, so
+# the peer compiles its tuned configs without re-timing every candidate.
+gpu_tag() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cs 'A-Za-z0-9' _ | sed 's/_$//'; }
 peer() {
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .peer/*.whl 2>&1 | tail -2
+  export TRITON_CACHE_DIR=/tmp/triton_cache
+  mkdir -p "$TRITON_CACHE_DIR"
+  local tuned=.peer/fla_autotune_$(gpu_tag).tgz
+  if [ -f "$tuned" ]; then tar -xzf "$tuned" -C "$TRITON_CACHE_DIR" && echo "restored $tuned"; fi
+}
+save_peer_tuning() {
+  (cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' > /tmp/tuned.list
+   echo "$(wc -l < /tmp/tuned.list) autotuning results"
+   [ -s /tmp/tuned.list ] && tar -czf "$OUT/fla_autotune_$(gpu_tag).tgz" -T /tmp/tuned.list)
 }
 mode=${1:-}; shift || true
 case "$mode" in
@@ -40,7 +56,14 @@ case "$mode" in
     peer
     PYTHONPATH=/tmp/site timeout 420 python3 -W ignore benchmarks/peers/fla_train.py \
       --models "$model" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+    save_peer_tuning
     python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
+  peer-tune)
+    model=${1:?usage: $0 peer-tune 0.1b|1.5b}; shift
+    peer
+    PYTHONPATH=/tmp/site timeout 540 python3 -W ignore benchmarks/peers/fla_train.py \
+      --models "$model" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+    save_peer_tuning ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
   reset)
@@ -63,6 +86,6 @@ case "$mode" in
         --out "$OUT/ab_rev.jsonl" "$@"
       python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
     done ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|precisions|reset|longest|ab MODEL [train_step.py args]" >&2
+  *) echo "usage: $0 prefill|profile|train MODEL|peer-tune MODEL|precisions|reset|longest|ab MODEL [train_step.py args]" >&2
      exit 2 ;;
 esac
