@@ -158,25 +158,32 @@ def _sub_jaxprs(params):
                 yield x
 
 
-def _dot_generals(jaxpr, found, inside=()):
+def _dot_generals(jaxpr, found, inside=(), callers=frozenset()):
     """Every `dot_general` equation of `jaxpr` and (recursively) of its sub-jaxprs: pjit,
-    custom_vjp/custom_jvp, scan, while, cond branches, checkpoint (remat), closed_call."""
+    custom_vjp/custom_jvp, scan, while, cond branches, checkpoint (remat), closed_call, as
+    `(eqn, primitives it is inside, function names in the enclosing equations' tracebacks)`
+    (a custom_vjp body is traced apart: its own traceback stops at the custom_vjp)."""
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
-            found.append((eqn, inside))
+            found.append((eqn, inside, callers))
+        tb = eqn.source_info.traceback
+        names = callers | {f.function_name for f in tb.frames} if tb is not None else callers
         for sub in _sub_jaxprs(eqn.params):
-            _dot_generals(sub, found, inside + (eqn.primitive.name,))
+            _dot_generals(sub, found, inside + (eqn.primitive.name,), names)
     return found
 
 
-def _origin(eqn) -> str:
-    """'policy' (a `Policy.einsum`/`einsum_f32` matmul, or its transpose), 'wkv' (inside the
-    WKV op / kernels) or the innermost lwm_jax file it came from. Backward equations keep the
-    source of the forward equation they transpose."""
+def _origin(eqn, callers=frozenset()) -> str:
+    """'policy' (a `Policy.einsum`/`einsum_f32` matmul, or its transpose), 'decay island' (one
+    of those called by TimeMix's `decay_log`, IEEE float32 under every policy), 'wkv' (inside
+    the WKV op / kernels) or the innermost lwm_jax file it came from. Backward equations keep
+    the source of the forward equation they transpose."""
     tb = eqn.source_info.traceback
     assert tb is not None, f"dot_general without source info: {eqn}"
     files = [f.file_name.replace("\\", "/") for f in tb.frames]
     if any(f.endswith("lwm_jax/precision.py") for f in files):
+        if "decay_log" in callers or any(f.function_name == "decay_log" for f in tb.frames):
+            return "decay island"
         return "policy"
     if any("/lwm_jax/ops/" in f or "/lwm_jax/kernels/" in f for f in files):
         return "wkv"
@@ -198,8 +205,9 @@ def _wkv_precisions(policy):
 def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     """"Every matmul gets an explicit precision; nothing depends on a global flag": each
     `dot_general` of the traced forward AND backward (loss, L2Wrap, all parameter gradients)
-    carries `precision=(P, P)` with P the policy's precision for the policy's matmuls and its
-    WKV precision inside the WKV op; none carries `None` (= whatever
+    carries `precision=(P, P)` with P the policy's precision for the policy's matmuls, HIGHEST
+    for the decay island's forward products, and its WKV precision inside the WKV op; none
+    carries `None` (= whatever
     `jax_default_matmul_precision` says). On CPU every precision computes the same numbers, so
     only the jaxpr can show this."""
     policy = parse_policy(spec)
@@ -210,24 +218,31 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     def loss(p):
         return lm_loss(nnx.merge(graphdef, p)(tok[:, :-1]), tok[:, 1:], use_l2wrap=True)
 
-    want = {"policy": {(policy.lax_precision,) * 2}, "wkv": _wkv_precisions(policy)}
+    ieee, own = (jax.lax.Precision.HIGHEST,) * 2, (policy.lax_precision,) * 2
     wkv_policy = (jax.lax.Precision(getattr(policy, "wkv_precision", None) or "highest"),) * 2
     counts = {}
     for what, fn in (("forward", loss), ("forward+backward", jax.value_and_grad(loss))):
+        # the decay island's forward products are IEEE whatever the policy; its gradient
+        # products are the policy's (16-bit operands under a 16-bit compute dtype)
+        want = {"policy": {own}, "wkv": _wkv_precisions(policy),
+                "decay island": {ieee} if what == "forward" else {ieee, own}}
         dots = _dot_generals(jax.make_jaxpr(fn)(params).jaxpr, [])
-        counts[what] = sum(_origin(eqn) == "policy" for eqn, _ in dots)
-        for eqn, inside in dots:
-            origin = _origin(eqn)
+        counts[what] = sum(_origin(e, c) in ("policy", "decay island") for e, _, c in dots)
+        if what == "forward":
+            assert sum(_origin(e, c) == "decay island" for e, _, c in dots) == 2 * CFG.n_layer
+        for eqn, inside, callers in dots:
+            origin = _origin(eqn, callers)
             assert origin in want, f"{what}: a dot_general outside Policy.einsum, in {origin}"
             got = eqn.params["precision"]
             assert got in want[origin], (
                 f"{spec} {what}: {origin} dot_general (inside {'/'.join(inside) or 'top'}) has "
                 f"precision {got}, the policy says {sorted(map(str, want[origin]))}")
         # the policy's WKV precision does reach the op's products
-        assert any(_origin(e) == "wkv" and e.params["precision"] == wkv_policy for e, _ in dots)
+        assert any(_origin(e, c) == "wkv" and e.params["precision"] == wkv_policy
+                   for e, _, c in dots)
         if scan_remat:
             assert any("scan" in inside and any(p.startswith("remat") or p == "checkpoint"
-                                                for p in inside) for _, inside in dots)
+                                                for p in inside) for _, inside, _ in dots)
     # r, k, v, o, the w/a/g LoRA pairs, ffn key/value per layer (12), layer 1's v LoRA pair,
     # the head: 27 policy matmuls; the backward transposes each for both of its operands
     assert counts["forward"] >= 12 + 14 + 1
@@ -253,8 +268,8 @@ def test_backward_matmuls_run_in_the_compute_dtype(spec):
 
     counts = {}
     for what, fn in (("forward", loss), ("forward+backward", jax.value_and_grad(loss))):
-        dots = [e for e, _ in _dot_generals(jax.make_jaxpr(fn)(params).jaxpr, [])
-                if _origin(e) == "policy"]
+        dots = [e for e, _, c in _dot_generals(jax.make_jaxpr(fn)(params).jaxpr, [])
+                if _origin(e, c) in ("policy", "decay island")]
         dtypes = [tuple(jnp.dtype(v.aval.dtype) for v in e.invars) for e in dots]
         mixed = [d for d in dtypes if d[0] != d[1]]
         assert not mixed, f"{spec} {what}: policy matmuls with mixed operand dtypes {mixed[:3]}"
