@@ -132,22 +132,23 @@ def test_a_decay_lora_products_are_ieee_float32_under_every_policy(preset):
     policy = PRESETS[preset]
     p = layer_params(policy)
     jaxpr = jax.make_jaxpr(lambda x: decay_log(p, x, policy))(normal(3, (1, 8, CFG.n_embd), BF16))
-    dots = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    dots = list(_dot_generals(jaxpr.jaxpr))
     assert len(dots) == 2
     for e in dots:
         assert [v.aval.dtype for v in e.invars] == [jnp.dtype(F32)] * 2
         assert tuple(e.params["precision"]) == (jax.lax.Precision.HIGHEST,) * 2, e.params
 
 
-def _all_eqns(jaxpr):
-    """Every equation of `jaxpr` and of the jaxprs nested in its equations (custom_vjp, pjit)."""
-    for e in jaxpr.eqns:
-        yield e
-        for v in e.params.values():
-            for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+def _dot_generals(jaxpr):
+    """Every `dot_general` equation of `jaxpr` and of its sub-jaxprs (custom_vjp, pjit, scan)."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general":
+            yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _all_eqns(inner)
+                    yield from _dot_generals(inner)
 
 
 def test_b_wkv_state_is_fp32_over_a_long_sequence(monkeypatch):
@@ -330,19 +331,6 @@ def test_e_logits_and_loss_in_fp32():
         assert np.abs(per_token(fn, logits) - ref_loss).max() < 1e-4
 
 
-def _dot_operand_dtypes(jaxpr, found):
-    """Operand dtype pairs of every dot_general in `jaxpr` and its sub-jaxprs."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(tuple(jnp.dtype(v.aval.dtype) for v in eqn.invars))
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (list, tuple)) else [value]:
-                inner = getattr(sub, "jaxpr", sub)
-                if hasattr(inner, "eqns"):
-                    _dot_operand_dtypes(inner, found)
-    return found
-
-
 @pytest.mark.parametrize("preset,V,C,B,T", [("bf16-mixed", 512, 64, 2, 24),
                                              ("fp16-mixed", 512, 64, 2, 24),
                                              ("fp16-mixed", 4096, 16, 1, 32768)])
@@ -368,8 +356,8 @@ def test_e_logits_island_is_the_forward_and_its_gradients_use_the_compute_dtype(
                              use_l2wrap=True)
 
     grad = jax.value_and_grad(loss, argnums=(0, 1))
-    dtypes = _dot_operand_dtypes(jax.make_jaxpr(lambda x, p: grad(x, p, policy))(x, params).jaxpr,
-                                 [])
+    jaxpr = jax.make_jaxpr(lambda x, p: grad(x, p, policy))(x, params).jaxpr
+    dtypes = [tuple(jnp.dtype(v.aval.dtype) for v in e.invars) for e in _dot_generals(jaxpr)]
     names = sorted("x".join(d.name for d in pair) for pair in dtypes)
     assert names == sorted(["float32xfloat32"] + [f"{low.name}x{low.name}"] * 2), names
     value, (dx, dp) = grad(x, params, policy)
