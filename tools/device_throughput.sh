@@ -36,6 +36,10 @@ peer() {
   local tuned=.peer/fla_autotune_$(gpu_tag).tgz
   if [ -f "$tuned" ]; then tar -xzf "$tuned" -C "$TRITON_CACHE_DIR" && echo "restored $tuned"; fi
 }
+fla_train() {   # fla_train SECONDS MODEL: FLA's amp train step, rows in $OUT/fla_train.log
+  PYTHONPATH=/tmp/site timeout "$1" python3 -W ignore benchmarks/peers/fla_train.py \
+    --models "$2" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+}
 save_peer_tuning() {
   (cd "$TRITON_CACHE_DIR" && find . -name '*autotune*.json' > /tmp/tuned.list
    echo "$(wc -l < /tmp/tuned.list) autotuning results"
@@ -54,15 +58,13 @@ case "$mode" in
   train)
     model=${1:?usage: $0 train 0.1b|1.5b [train_step.py args]}; shift
     peer
-    PYTHONPATH=/tmp/site timeout 420 python3 -W ignore benchmarks/peers/fla_train.py \
-      --models "$model" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+    fla_train 420 "$model"
     save_peer_tuning
     python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
   peer-tune)
     model=${1:?usage: $0 peer-tune 0.1b|1.5b}; shift
     peer
-    PYTHONPATH=/tmp/site timeout 540 python3 -W ignore benchmarks/peers/fla_train.py \
-      --models "$model" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
+    fla_train 540 "$model"
     save_peer_tuning ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
