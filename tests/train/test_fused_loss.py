@@ -11,7 +11,8 @@ from flax import nnx
 from lwm_jax import ModelConfig
 from lwm_jax.models.rwkv7 import RWKV7, head_fn
 from lwm_jax.precision import parse_policy
-from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
+from lwm_jax.train.loss import (chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss,
+                                max_argmax_logsumexp)
 from lwm_jax.train.step import model_loss
 
 
@@ -107,3 +108,28 @@ def test_fused_loss_never_holds_the_full_logits():
                                                       use_l2wrap=True))
     assert plain >= 2 * logits_bytes
     assert fused <= logits_bytes / 2, (fused / 2**20, logits_bytes / 2**20)
+
+
+@pytest.mark.parametrize("V", [4096, 4099])     # blocks of 64; 65 blocks, the last one padded
+def test_one_pass_max_argmax_logsumexp_matches_the_separate_reductions(V):
+    """The fused loss's single reduction: argmax (first index on ties), max and log-sum-exp
+    against `jnp.argmax`, `jnp.max` and a float64 log-sum-exp (to float32 rounding: a
+    one-level fold of the vocabulary on a CPU is 5x off), on fresh random logits with planted
+    ties; a NaN logit makes that row's log-sum-exp NaN (the loss must not hide it)."""
+    rng = np.random.default_rng(3)
+    logits = rng.normal(size=(3, 5, V)) * 6
+    logits[0, 0, [7, 900, 4000]] = 60.0                    # a three-way tie for the max
+    logits[1, 2, [0, V - 1]] = 55.0                        # tie at both ends
+    logits = logits.astype(np.float32)
+    idx, top, lse = jax.jit(max_argmax_logsumexp)(jnp.asarray(logits))
+    np.testing.assert_array_equal(idx, np.argmax(logits, axis=-1))
+    assert idx[0, 0] == 7 and idx[1, 2] == 0
+    np.testing.assert_array_equal(top, logits.max(axis=-1))
+    x64 = logits.astype(np.float64)
+    m = x64.max(axis=-1, keepdims=True)
+    ref = m[..., 0] + np.log(np.exp(x64 - m).sum(axis=-1))
+    assert rel(lse, ref) < 1e-7
+    with_nan = logits.copy()
+    with_nan[2, 1, 123] = np.nan
+    lse_nan = np.asarray(jax.jit(max_argmax_logsumexp)(jnp.asarray(with_nan))[2])
+    assert np.isnan(lse_nan[2, 1]) and np.isfinite(np.delete(lse_nan.ravel(), 2 * 5 + 1)).all()
