@@ -4,6 +4,7 @@
 #   bash tools/device_throughput.sh prefill       # prefill [1, 4096]: ours then FLA, logits on both sides
 #   bash tools/device_throughput.sh profile [..]  # ours, 0.1B + 1.5B bf16-mixed, top GPU ops (extra args: train_step.py's)
 #   bash tools/device_throughput.sh train MODEL [..]  # FLA amp first (autotune), then ours bf16-mixed, same call
+#                                                    # (1.5b: the config, then unrolled + save_dots)
 #   bash tools/device_throughput.sh peer-tune MODEL   # FLA alone, to keep its autotuning (see peer())
 #
 # FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: 116 s of
@@ -23,8 +24,8 @@ set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
-# FLA's Triton autotuning outlasts a call on a fresh machine (0.1B: > 420 s on an H100,
-# 2026-11-24). FLA asks Triton to keep its autotuning results (`cache_results`, FLA_CACHE_RESULTS
+# FLA's Triton autotuning outlasts a call on a fresh machine (0.1B: 445 s on an H100,
+# 2026-11-24; restored, 31 s). FLA asks Triton to keep its autotuning results (`cache_results`, FLA_CACHE_RESULTS
 # defaults to 1) in TRITON_CACHE_DIR: `peer-tune MODEL` runs FLA alone and returns those small
 # JSON files as $OUT/fla_autotune_<gpu>.tgz; copy it into .peer/ and later calls restore it, so
 # the peer compiles its tuned configs without re-timing every candidate.
@@ -60,7 +61,12 @@ case "$mode" in
     peer
     fla_train 420 "$model"
     save_peer_tuning
-    python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
+    python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@"
+    # 1.5B at 2 sequences per GPU: also the runtime that fits them fastest (RESULTS.md, session 10)
+    if [ "$model" = 1.5b ]; then
+      python3 benchmarks/train_step.py --models 1.5b --out "$OUT/ours_train.jsonl" \
+        --set runtime.scan_layers=false runtime.remat_policy=save_dots "$@"
+    fi ;;
   peer-tune)
     model=${1:?usage: $0 peer-tune 0.1b|1.5b}; shift
     peer
