@@ -6,7 +6,8 @@ model really takes (a library that bypassed the island function would fail the f
 no longer degrade in the second).
 
 Islands: (a) decay w, (b) WKV state, (c) LayerNorm/GroupNorm statistics, (d) kk normalisation,
-(e) logits and loss. Plus: under fp16-mixed, r/k/v/a/b reach the WKV op in one dtype (f16).
+(e) logits and loss, (f) per-channel parameter gradients (summed over the tokens in float32).
+Plus: under fp16-mixed, r/k/v/a/b reach the WKV op in one dtype (f16).
 """
 from __future__ import annotations
 
@@ -139,16 +140,20 @@ def test_a_decay_lora_products_are_ieee_float32_under_every_policy(preset):
         assert tuple(e.params["precision"]) == (jax.lax.Precision.HIGHEST,) * 2, e.params
 
 
-def _dot_generals(jaxpr):
-    """Every `dot_general` equation of `jaxpr` and of its sub-jaxprs (custom_vjp, pjit, scan)."""
+def _eqns(jaxpr, primitive):
+    """Every `primitive` equation of `jaxpr` and of its sub-jaxprs (custom_vjp, pjit, scan)."""
     for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
+        if eqn.primitive.name == primitive:
             yield eqn
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 inner = getattr(sub, "jaxpr", sub)
                 if hasattr(inner, "eqns"):
-                    yield from _dot_generals(inner)
+                    yield from _eqns(inner, primitive)
+
+
+def _dot_generals(jaxpr):
+    return _eqns(jaxpr, "dot_general")
 
 
 def test_b_wkv_state_is_fp32_over_a_long_sequence(monkeypatch):
@@ -382,3 +387,39 @@ def test_wkv_inputs_share_one_dtype(monkeypatch, preset, dtype):
         assert [x.dtype for x in (r, k, v, a, b)] == [jnp.dtype(dtype)] * 5
         assert w.dtype == F32 and call["kw"]["initial_state"].dtype == F32
         assert call["out"][1].dtype == F32
+
+
+@pytest.mark.parametrize("preset", ["bf16-mixed", "fp16-mixed"])
+def test_f_parameter_gradients_are_summed_over_tokens_in_fp32(preset):
+    """A per-channel parameter applied to 16-bit activations (the token-shift mixes, a0, v0,
+    k_a, r_k, ChannelMix's x_k) gets its gradient as a sum over B*T tokens: that sum must be
+    float32. Structural: no 16-bit `reduce_sum` over the batch axis anywhere in the gradient of
+    the model's loss (a 16-bit sum of 32768 terms keeps ~8 bits; numbers in
+    `lwm_jax.precision.param_mul`). Numerical: `param_mul` / `param_add` pull a biased 16-bit
+    cotangent over 32768 tokens back to the float64 sum of the same 16-bit numbers."""
+    B, T = 2, 24
+    model = randomize_params(RWKV7(CFG, preset, runtime=RT, rngs=nnx.Rngs(0)), seed=1)
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(2).integers(0, CFG.vocab_size, (B, T + 1)))
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params)(tokens[:, :-1])
+        return cross_entropy(logits, tokens[:, 1:])
+
+    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
+    sixteen_bit = [e for e in _eqns(jaxpr, "reduce_sum")
+                   if jnp.dtype(e.invars[0].aval.dtype).itemsize == 2
+                   and e.invars[0].aval.ndim >= 2 and 0 in e.params["axes"]]
+    where = sorted({str(e.source_info.name_stack) for e in sixteen_bit})
+    assert not sixteen_bit, f"16-bit sums over the batch axis: {where}"
+    # and numerically, at the scale where it matters: 32768 tokens of a biased cotangent
+    from lwm_jax.precision import param_add, param_mul
+    low = jnp.dtype(PRESETS[preset].compute_dtype)
+    x = (1.0 + normal(7, (4, 8192, 8), scale=0.5)).astype(low)
+    g = (1.0 + normal(8, (4, 8192, 8), scale=0.5)).astype(low)
+    mu = normal(9, (8,))
+    _, pull = jax.vjp(param_mul, x, mu)
+    ref = np.sum(np.asarray(g, np.float64) * np.asarray(x, np.float64), axis=(0, 1))
+    assert rel(pull(g)[1], ref) < 1e-6
+    _, pull = jax.vjp(param_add, x, mu)
+    assert rel(pull(g)[1], np.asarray(g, np.float64).sum(axis=(0, 1))) < 1e-6

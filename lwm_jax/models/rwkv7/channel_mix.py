@@ -18,6 +18,7 @@ from flax import nnx
 
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.shift import token_shift
+from lwm_jax.precision import param_mul
 
 
 class ChannelMix(nnx.Module):
@@ -55,7 +56,7 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     cd = policy.compute_dtype
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
-    k = x + xx * p["x_k"].astype(cd)
+    k = x + param_mul(xx, p["x_k"])       # x_k's gradient summed in float32
     pre = policy.einsum("btc,cf->btf", k, p["key"])
     if jnp.dtype(cd) == jnp.float16:
         hidden, out = _squared_relu_fp16(policy, jax.nn.relu(pre), p["value"])

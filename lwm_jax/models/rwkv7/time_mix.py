@@ -29,6 +29,7 @@ from lwm_jax.layers.norms import GroupNorm, group_norm
 from lwm_jax.layers.shift import token_shift
 from lwm_jax.ops import wkv7
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
+from lwm_jax.precision import param_add, param_mul
 
 MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
@@ -168,7 +169,9 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     H = C // N
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
-    xr, xw, xk, xv, xa, xg = (x + xx * p[m].astype(cd) for m in MIX_NAMES)
+    # per-channel parameters meet 16-bit activations through param_mul / param_add: same
+    # forward, their gradients summed over the tokens in float32
+    xr, xw, xk, xv, xa, xg = (x + param_mul(xx, p[m]) for m in MIX_NAMES)
 
     r = policy.einsum("btc,cd->btd", xr, p["receptance"])
     k = policy.einsum("btc,cd->btd", xk, p["key"])
@@ -178,14 +181,14 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     if first:
         v_first_BTC = v
     else:
-        v_gate = jax.nn.sigmoid(p["v0"].astype(cd) + _lora(policy, xv, p["v1"], p["v2"]))
+        v_gate = jax.nn.sigmoid(param_add(_lora(policy, xv, p["v1"], p["v2"]), p["v0"]))
         v = v + (v_first_BTC.astype(cd) - v) * v_gate
-    a = jax.nn.sigmoid(p["a0"].astype(cd) + _lora(policy, xa, p["a1"], p["a2"]))
+    a = jax.nn.sigmoid(param_add(_lora(policy, xa, p["a1"], p["a2"]), p["a0"]))
     g = policy.einsum("btr,rc->btc", jax.nn.sigmoid(policy.einsum("btc,cr->btr", xg, p["g1"])),
                       p["g2"])
 
     kk = normalize_heads(k.reshape(B, T, H, N), p["k_k"].reshape(H, N))
-    k = k * (1 + (a - 1) * p["k_a"].astype(cd))
+    k = k * (1 + param_mul(a - 1, p["k_a"]))
 
     heads = lambda t: t.reshape(B, T, H, N)  # noqa: E731
     r4, k4, v4, a4 = heads(r), heads(k), heads(v), heads(a)
@@ -206,7 +209,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
                    eps=N * 1e-5, out_dtype=cd)
     tap("ln_x", y)
-    bonus = jnp.sum(r4 * k4 * p["r_k"].astype(cd), axis=-1, keepdims=True, dtype=f32)
+    bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
     out = policy.einsum("btc,cd->btd", y * g, p["output"])
     tap("out", out)
