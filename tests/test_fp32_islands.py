@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -406,12 +407,8 @@ def test_f_parameter_gradients_are_summed_over_tokens_in_fp32(preset):
         logits = nnx.merge(graphdef, params)(tokens[:, :-1])
         return cross_entropy(logits, tokens[:, 1:])
 
-    jaxpr = jax.make_jaxpr(jax.grad(loss))(params).jaxpr
-    sixteen_bit = [e for e in _eqns(jaxpr, "reduce_sum")
-                   if jnp.dtype(e.invars[0].aval.dtype).itemsize == 2
-                   and e.invars[0].aval.ndim >= 2 and 0 in e.params["axes"]]
-    where = sorted({str(e.source_info.name_stack) for e in sixteen_bit})
-    assert not sixteen_bit, f"16-bit sums over the batch axis: {where}"
+    where = _sixteen_bit_batch_sums(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert not where, f"16-bit sums over the batch axis: {where}"
     # and numerically, at the scale where it matters: 32768 tokens of a biased cotangent
     from lwm_jax.precision import param_add, param_mul
     low = jnp.dtype(PRESETS[preset].compute_dtype)
@@ -423,3 +420,29 @@ def test_f_parameter_gradients_are_summed_over_tokens_in_fp32(preset):
     assert rel(pull(g)[1], ref) < 1e-6
     _, pull = jax.vjp(param_add, x, mu)
     assert rel(pull(g)[1], np.asarray(g, np.float64).sum(axis=(0, 1))) < 1e-6
+
+
+def _sixteen_bit_batch_sums(jaxpr):
+    """Where (name stacks) `jaxpr` sums a 16-bit array over its batch axis (axis 0)."""
+    return sorted({str(e.source_info.name_stack) for e in _eqns(jaxpr, "reduce_sum")
+                   if jnp.dtype(e.invars[0].aval.dtype).itemsize == 2
+                   and e.invars[0].aval.ndim >= 2 and 0 in e.params["axes"]})
+
+
+@pytest.mark.parametrize("config", ["llama-tiny.yaml", "rwkv7-hybrid-tiny.yaml"])
+def test_f_other_families_sum_parameter_gradients_in_fp32(config):
+    """The same structural check for the transformer and the hybrid (their norms' weights and
+    the hybrid's TimeMix parameters), under bf16-mixed."""
+    from lwm_jax.models.registry import arch_of_config
+    from lwm_jax.train.config import load_config
+
+    cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", config)).model
+    model = arch_of_config(cfg).model_cls(cfg, "bf16-mixed", rngs=nnx.Rngs(0))
+    graphdef, params = nnx.split(model, nnx.Param)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 17)))
+
+    def loss(params):
+        return cross_entropy(nnx.merge(graphdef, params)(tokens[:, :-1]), tokens[:, 1:])
+
+    where = _sixteen_bit_batch_sums(jax.make_jaxpr(jax.grad(loss))(params).jaxpr)
+    assert not where, f"16-bit sums over the batch axis: {where}"
