@@ -25,8 +25,9 @@ OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 # FLA's Triton autotuning outlasts a call on a fresh machine (0.1B: 445 s on an H100,
-# 2026-11-24; restored, 31 s). FLA asks Triton to keep its autotuning results (`cache_results`, FLA_CACHE_RESULTS
-# defaults to 1) in TRITON_CACHE_DIR: `peer-tune MODEL` runs FLA alone and returns those small
+# 2026-11-24; restored, 31 s). FLA asks Triton to keep its autotuning results
+# (`cache_results`, FLA_CACHE_RESULTS defaults to 1) in TRITON_CACHE_DIR:
+# `peer-tune MODEL` runs FLA alone and returns those small
 # JSON files as $OUT/fla_autotune_<gpu>.tgz; copy it into .peer/ and later calls restore it, so
 # the peer compiles its tuned configs without re-timing every candidate.
 gpu_tag() { nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr -cs 'A-Za-z0-9' _ | sed 's/_$//'; }
