@@ -51,6 +51,7 @@ import numpy as np
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 DTYPES: dict[str, Any] = {
     "f32": jnp.float32, "fp32": jnp.float32, "float32": jnp.float32,
@@ -60,6 +61,11 @@ DTYPES: dict[str, Any] = {
 MATMUL_PRECISIONS = ("default", "high", "highest")
 WKV_PRECISIONS = MATMUL_PRECISIONS + ("tf32x3",)
 LOSS_SCALES = ("none", "dynamic")
+# `jax.ad_checkpoint.checkpoint_name` of every `Policy.einsum` / `einsum_f32` result, in the
+# dtype the method returns it in. `matmul_outputs_saveable` keeps these values: under a 16-bit
+# policy that is the bf16/fp16 product, not the float32 accumulator it is rounded from (XLA's
+# `dots_with_no_batch_dims_saveable` keeps the accumulator: twice the memory per matmul).
+MATMUL_OUTPUT_NAME = "policy_matmul"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,11 +134,11 @@ class Policy:
             _einsum_terms(spec)               # a spec the custom backward cannot transpose
             y = _low_precision_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
                                       *operands)
-            return y.astype(out_dtype)
+            return checkpoint_name(y.astype(out_dtype), MATMUL_OUTPUT_NAME)
         ops = [x.astype(self.compute_dtype) for x in operands]
         y = jnp.einsum(spec, *ops, precision=self.lax_precision,
                        preferred_element_type=jnp.float32)
-        return y.astype(out_dtype)
+        return checkpoint_name(y.astype(out_dtype), MATMUL_OUTPUT_NAME)
 
     def einsum_f32(self, spec: str, *operands, precision: str | None = None):
         """fp32 einsum for the fp32 islands (logits, decay): operands upcast, result float32.
@@ -152,9 +158,18 @@ class Policy:
         forward = self.lax_precision if precision is None else jax.lax.Precision(precision)
         if len(ops) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
             _einsum_terms(spec)               # a spec the custom backward cannot transpose
-            return _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
-                                  forward, *ops)
-        return jnp.einsum(spec, *ops, precision=forward, preferred_element_type=jnp.float32)
+            y = _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
+                               forward, *ops)
+        else:
+            y = jnp.einsum(spec, *ops, precision=forward, preferred_element_type=jnp.float32)
+        return checkpoint_name(y, MATMUL_OUTPUT_NAME)
+
+
+def matmul_outputs_saveable(*names: str):
+    """A `jax.checkpoint` policy that keeps every `Policy.einsum` / `einsum_f32` result (in its
+    returned dtype, `MATMUL_OUTPUT_NAME`) and the values `checkpoint_name`d `names`; the
+    elementwise work between them is recomputed in the backward pass."""
+    return jax.checkpoint_policies.save_only_these_names(MATMUL_OUTPUT_NAME, *names)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))

@@ -25,7 +25,8 @@ class Runtime:
       remat: wrap each block in `jax.checkpoint` (recompute activations in the backward pass).
       remat_policy: what a remat'd block keeps from its forward (only read when `remat`):
         "full" keeps nothing but the block's inputs and recomputes the whole block in the
-        backward (least memory); "save_dots" keeps the outputs of the block's matmuls and of
+        backward (least memory); "save_dots" keeps the outputs of the block's matmuls (as
+        `Policy.einsum` returns them: bf16 under bf16-mixed, not the float32 accumulator) and of
         the WKV op with the WKV kernels' saved-for-backward arrays, and recomputes only the
         elementwise work between them (no matmul or WKV kernel runs twice; more memory).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a

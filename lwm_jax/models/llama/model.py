@@ -58,7 +58,7 @@ from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_c
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import INIT_STD, Block, block_forward, normal
 from lwm_jax.models.llama.config import LlamaConfig
-from lwm_jax.precision import Policy, parse_policy
+from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
 from lwm_jax.runtime import Runtime
 
 
@@ -233,10 +233,10 @@ def loss_head(model: Llama):
 
 def remat_policy(runtime: Runtime):
     """`jax.checkpoint` policy: "full" saves nothing; "save_dots" keeps the weight matmuls'
-    outputs (dots without batch dimensions; attention's batched products are recomputed)."""
+    outputs as `Policy.einsum` returns them (attention's own products are recomputed)."""
     if runtime.remat_policy == "full":
         return None
-    return jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+    return matmul_outputs_saveable()
 
 
 def probe_model_fn(cfg: LlamaConfig, policy, runtime: Runtime | None = None):

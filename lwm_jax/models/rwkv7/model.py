@@ -57,7 +57,7 @@ from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.layers.norms import LayerNorm, layer_norm
-from lwm_jax.precision import Policy, parse_policy
+from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
 from lwm_jax.runtime import Runtime
 
 
@@ -283,9 +283,7 @@ def remat_policy(runtime: Runtime):
     """The `jax.checkpoint` policy of `runtime.remat_policy` (None = save nothing)."""
     if runtime.remat_policy == "full":
         return None
-    cp = jax.checkpoint_policies
-    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
-                                      cp.save_only_these_names(RESIDUALS_NAME, OUTPUT_NAME))
+    return matmul_outputs_saveable(RESIDUALS_NAME, OUTPUT_NAME)
 
 
 def probe_model_fn(cfg: ModelConfig, policy, runtime: Runtime | None = None):

@@ -204,8 +204,10 @@ def test_save_dots_keeps_matmul_and_wkv_kernel_outputs(impl):
     """`remat_policy="save_dots"` keeps each layer's WKV output (every implementation) and,
     for the Pallas kernel, the kernel's named saved-for-backward arrays, plus the matmul
     outputs: on the GPU this is what stops the backward from running each forward kernel
-    twice (H200 profile: `wkv7_intra_fwd` 2 -> 1 launch per layer and step). `full` keeps
-    none of them."""
+    twice (H200 profile: `wkv7_intra_fwd` 2 -> 1 launch per layer and step). The matmul
+    outputs are kept as `Policy.einsum` returns them, bfloat16 under `bf16-mixed` (float32
+    only for the decay island's `einsum_f32`), never as the float32 accumulator (XLA's
+    dot-output policy kept that: twice the bytes). `full` keeps none of them."""
     cfg = small_cfg(n_layer=2)
     saved = {}
     for policy in ("full", "save_dots"):
@@ -214,11 +216,17 @@ def test_save_dots_keeps_matmul_and_wkv_kernel_outputs(impl):
                                                   rngs=nnx.Rngs(0)))
     count = lambda lines, what: sum(what in line for line in lines)  # noqa: E731
     assert count(saved["save_dots"], "named 'wkv7_out'") == cfg.n_layer
-    assert count(saved["save_dots"], "output of dot_general") >= 6 * cfg.n_layer
+    matmuls = [line for line in saved["save_dots"] if "named 'policy_matmul'" in line]
+    assert len(matmuls) >= 6 * cfg.n_layer
+    assert not any("output of dot_general" in line for line in saved["save_dots"])
+    wide = [line for line in matmuls if not line.startswith("bf16")]
+    assert wide and all("einsum_f32" in line for line in wide), wide
     kernel = count(saved["save_dots"], "named 'wkv7_residuals'")
     assert kernel == (4 * cfg.n_layer if impl == "pallas" else 0)
-    assert not any("named" in line or "output of dot_general" in line
+    assert not any("named 'wkv7" in line or "output of dot_general" in line
                    for line in saved["full"])
+    # full keeps only the blocks' inputs; one is a matmul output: layer 0's value (v_first)
+    assert count(saved["full"], "named 'policy_matmul'") == 1
 
 
 def test_param_count_of_0p1b_config_from_module_shapes():
