@@ -29,6 +29,10 @@ class Runtime:
         `Policy.einsum` returns them: bf16 under bf16-mixed, not the float32 accumulator) and of
         the WKV op with the WKV kernels' saved-for-backward arrays, and recomputes only the
         elementwise work between them (no matmul or WKV kernel runs twice; more memory).
+      remat_layers: how many blocks `remat` applies to, counted from the first; the later
+        blocks keep their activations as without remat. -1 (default) = every block. Each
+        unrematerialised block trades its recompute time for its activation memory: the knob
+        that spends a GPU's spare memory on speed (numbers in benchmarks/RESULTS.md).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
         Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
     """
@@ -37,6 +41,7 @@ class Runtime:
     chunk_size: int = 0
     remat: bool = False
     remat_policy: str = "full"
+    remat_layers: int = -1
     scan_layers: bool = False
 
     def __post_init__(self):
@@ -53,6 +58,25 @@ class Runtime:
         for f in ("remat", "scan_layers"):
             if not isinstance(getattr(self, f), bool):
                 bad(f, f"must be true or false, got {getattr(self, f)!r}")
+        n = self.remat_layers
+        if not isinstance(n, int) or isinstance(n, bool) or n < -1:
+            bad("remat_layers", f"must be -1 (every block) or a number of blocks >= 0, got {n!r}")
+
+    def rematerialized(self, layer: int) -> bool:
+        """Whether block `layer` (0-based) runs under `jax.checkpoint`."""
+        return self.remat and (self.remat_layers < 0 or layer < self.remat_layers)
+
+    def remat_runs(self, start: int, stop: int) -> list[tuple[int, int, bool]]:
+        """Blocks `start..stop-1` as `(first, end, rematerialized)` runs of consecutive blocks
+        with the same remat (one `lax.scan` each when `scan_layers`; two runs at most)."""
+        runs: list[tuple[int, int, bool]] = []
+        for layer in range(start, stop):
+            remat = self.rematerialized(layer)
+            if runs and runs[-1][2] == remat:
+                runs[-1] = (runs[-1][0], layer + 1, remat)
+            else:
+                runs.append((layer, layer + 1, remat))
+        return runs
 
 
 RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))

@@ -85,10 +85,14 @@ def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | No
     t = cfg.train
     fixes = [f"lower train.batch_size (raise train.grad_accum to keep {t.batch_size} sequences "
              "per step)", "lower train.ctx_len"]
-    if not cfg.runtime.remat:
+    rt = cfg.runtime
+    if not rt.remat:
         fixes.append("set runtime.remat=true")
-    elif cfg.runtime.remat_policy != "full":
-        fixes.append("set runtime.remat_policy=full")
+    else:
+        if not all(rt.rematerialized(l) for l in range(cfg.model.n_layer)):
+            fixes.append(f"raise runtime.remat_layers={rt.remat_layers} (-1: every block)")
+        if rt.remat_policy != "full":
+            fixes.append("set runtime.remat_policy=full")
     if t.loss_chunk == 0 or t.loss_chunk > 1024:
         fixes.append("set train.loss_chunk=1024")
     raise ValueError(

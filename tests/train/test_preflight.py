@@ -50,6 +50,22 @@ def test_a_step_that_does_not_fit_is_refused_in_one_line():
     assert int(state.step) == 1 and float(metrics["finite"]) == 1
 
 
+def test_a_refused_step_names_the_remat_knobs_left_to_turn():
+    usage = {"peak": 10**12, "arguments": 0, "temp": 10**12}
+
+    def message(*overrides):
+        with pytest.raises(ValueError) as err:
+            check_step_fits(load_config(None, [*SMALL, *overrides]), usage, 10**9, "x")
+        return str(err.value)
+    assert "set runtime.remat=true" in message("runtime.remat=false")
+    partial = message("runtime.remat=true", "runtime.remat_policy=save_dots",
+                      "runtime.remat_layers=1")
+    assert "raise runtime.remat_layers=1 (-1: every block)" in partial
+    assert "set runtime.remat_policy=full" in partial and "remat=true" not in partial
+    every = message("runtime.remat=true", "runtime.remat_policy=full")
+    assert "remat_layers" not in every and "remat_policy" not in every
+
+
 def test_unknown_sizes_never_refuse():
     cfg = load_config(None, SMALL)
     check_step_fits(cfg, None, 1, "x")

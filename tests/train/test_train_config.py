@@ -111,7 +111,10 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
     (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, remat, "
-                            "remat_policy, scan_layers, wkv_impl"),
+                            "remat_layers, remat_policy, scan_layers, wkv_impl"),
+    (["runtime.remat_layers=-2"], "runtime.remat_layers: must be -1 (every block) or a number "
+                                  "of blocks >= 0, got -2"),
+    (["runtime.remat_layers=half"], "runtime.remat_layers: expected an integer, got 'half'"),
     (["runtime.remat_policy=dots"], "runtime.remat_policy: 'dots' is not one of ('full', "
                                     "'save_dots')"),
     (["model.remat=true", "runtime.remat=false"],

@@ -210,20 +210,21 @@ class RWKVHybrid(nnx.Module):
                 layer_probe("x_out", x)
             return x
 
-        if rt.remat:
-            checkpoint = lambda f, **kw: jax.checkpoint(f, policy=remat_policy(rt), **kw)  # noqa
-            rwkv_layer = checkpoint(rwkv_layer, static_argnums=(4,))
-            attention_layer = checkpoint(attention_layer)
+        checkpoint = lambda f, **kw: jax.checkpoint(f, policy=remat_policy(rt), **kw)  # noqa
+        rematted = {False: (rwkv_layer, attention_layer),
+                    True: (checkpoint(rwkv_layer, static_argnums=(4,)),
+                           checkpoint(attention_layer))}
         take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
         v_first, r, a = None, 0, 0
         for l in range(c.n_layer):
             layer_probe = scoped(probe, f"layer{l}")
+            rwkv_step, attention_step = rematted[rt.rematerialized(l)]
             if l in c.attention_layers:
-                x = attention_layer(take(attn_p, a), x, segment_ids, layer_probe)
+                x = attention_step(take(attn_p, a), x, segment_ids, layer_probe)
                 a += 1
             else:
-                x, v_first = rwkv_layer(take(rwkv_p, r), x, v_first, segment_ids, l == 0,
-                                        layer_probe)
+                x, v_first = rwkv_step(take(rwkv_p, r), x, v_first, segment_ids, l == 0,
+                                       layer_probe)
                 r += 1
         return x
 

@@ -181,21 +181,28 @@ class Llama(nnx.Module):
         cfg, policy, rt = self.cfg, self.policy, self.runtime
         fn = partial(block_forward, cfg=cfg, policy=policy)
 
-        def step(p, x, layer_cache, layer_probe=None):
+        def plain(p, x, layer_cache, layer_probe=None):
             return fn(p, x, cos, sin, layer_cache, segment_ids_BT=segment_ids, probe=layer_probe)
-        if rt.remat:
-            step = jax.checkpoint(step, policy=remat_policy(rt))
+        rematted = jax.checkpoint(plain, policy=remat_policy(rt)) if rt.remat else plain
+        step_of = lambda l: rematted if rt.rematerialized(l) else plain  # noqa: E731
         if rt.scan_layers:
-            def body(x, xs):
-                p, layer_cache = xs
-                return step(p, x, layer_cache)
-            return jax.lax.scan(body, x_BTC, (params, cache))
+            caches = []
+            for start, stop, remat in rt.remat_runs(0, cfg.n_layer):
+                def body(x, xs, step=rematted if remat else plain):
+                    p, layer_cache = xs
+                    return step(p, x, layer_cache)
+                run = jax.tree.map(lambda a: a[start:stop], (params, cache))  # noqa: B023
+                x_BTC, run_cache = jax.lax.scan(body, x_BTC, run)
+                caches.append(run_cache)
+            if cache is None:
+                return x_BTC, None
+            return x_BTC, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
         new = []
         for l in range(cfg.n_layer):
             layer_cache = None if cache is None else layer(cache, l)
-            x_BTC, layer_cache = step(layer(params, l), x_BTC, layer_cache,
-                                      scoped(probe, f"layer{l}"))
+            x_BTC, layer_cache = step_of(l)(layer(params, l), x_BTC, layer_cache,
+                                            scoped(probe, f"layer{l}"))
             new.append(layer_cache)
         stacked = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)
         return x_BTC, stacked

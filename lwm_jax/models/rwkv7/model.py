@@ -211,37 +211,34 @@ class RWKV7(nnx.Module):
         """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
         cfg, policy, rt = self.cfg, self.policy, self.runtime
 
-        def make(first):
+        def make(first, remat):
             fn = partial(block_forward, first=first, cfg=cfg, policy=policy, runtime=rt,
                          wkv_op=self._wkv_op())
 
             def step(p, x, v_first, st, seg, layer_probe=None):
                 return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
-            return jax.checkpoint(step, policy=remat_policy(rt)) if rt.remat else step
+            return jax.checkpoint(step, policy=remat_policy(rt)) if remat else step
 
-        first_step, rest_step = make(True), make(False)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
-        x_BTC, v_first, s0 = first_step(layer(params, 0), x_BTC, None, layer(states, 0),
-                                        segment_ids, scoped(probe, "layer0"))
-        if cfg.n_layer == 1:
-            return x_BTC, jax.tree.map(lambda a: a[None], s0)
+        x_BTC, v_first, s0 = make(True, rt.rematerialized(0))(
+            layer(params, 0), x_BTC, None, layer(states, 0), segment_ids, scoped(probe, "layer0"))
+        outs = [jax.tree.map(lambda a: a[None], s0)]
         if rt.scan_layers:
-            def body(carry, xs):
-                x, vf = carry
-                x, vf, st = rest_step(xs[0], x, vf, xs[1], segment_ids)
-                return (x, vf), st
-            rest = jax.tree.map(lambda a: a[1:], (params, states))
-            (x_BTC, _), rest_states = jax.lax.scan(body, (x_BTC, v_first), rest)
-            new = jax.tree.map(lambda a, b: jnp.concatenate([a[None], b]), s0, rest_states)
+            for start, stop, remat in rt.remat_runs(1, cfg.n_layer):
+                def body(carry, xs, step=make(False, remat)):
+                    x, vf = carry
+                    x, vf, st = step(xs[0], x, vf, xs[1], segment_ids)
+                    return (x, vf), st
+                run = jax.tree.map(lambda a: a[start:stop], (params, states))  # noqa: B023
+                (x_BTC, v_first), run_states = jax.lax.scan(body, (x_BTC, v_first), run)
+                outs.append(run_states)
         else:
-            outs = [s0]
             for l in range(1, cfg.n_layer):
-                x_BTC, v_first, st = rest_step(layer(params, l), x_BTC, v_first,
-                                               layer(states, l), segment_ids,
-                                               scoped(probe, f"layer{l}"))
-                outs.append(st)
-            new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-        return x_BTC, new
+                x_BTC, v_first, st = make(False, rt.rematerialized(l))(
+                    layer(params, l), x_BTC, v_first, layer(states, l), segment_ids,
+                    scoped(probe, f"layer{l}"))
+                outs.append(jax.tree.map(lambda a: a[None], st))
+        return x_BTC, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
     def _check_state(self, state, batch_size: int):
         if not isinstance(state, RWKV7State):

@@ -82,8 +82,9 @@ def test_packed_documents_equal_separate_runs():
 def test_runtime_knobs_change_nothing():
     tokens = _tokens(2, 8, seed=2)
     base = np.asarray(_run(_model(), tokens))
-    for rt in ({"scan_layers": True}, {"remat": True}, {"remat": True, "scan_layers": True,
-                                                         "remat_policy": "save_dots"}):
+    for rt in ({"scan_layers": True}, {"remat": True},
+               {"remat": True, "scan_layers": True, "remat_policy": "save_dots"},
+               {"remat": True, "scan_layers": True, "remat_layers": 1}):
         np.testing.assert_allclose(np.asarray(_run(_model(**rt), tokens)), base, rtol=1e-6,
                                    atol=1e-6, err_msg=str(rt))
 
@@ -98,9 +99,13 @@ def test_gradients_flow_and_match_under_scan_and_remat():
         def loss(p):
             return jnp.mean(nnx.merge(graph, p)(tokens) ** 2)
         return jax.jit(jax.grad(loss))(params)
-    g0, g1 = grads(), grads(scan_layers=True, remat=True)
-    for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(g1)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8)
+    g0 = grads()
+    for rt in ({"scan_layers": True, "remat": True},
+               {"scan_layers": True, "remat": True, "remat_layers": 1},
+               {"remat": True, "remat_layers": 1}):
+        for a, b in zip(jax.tree.leaves(g0), jax.tree.leaves(grads(**rt))):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-8,
+                                       err_msg=str(rt))
     assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g0))
 
 

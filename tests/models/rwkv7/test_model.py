@@ -161,16 +161,19 @@ def _loss64(params, delta):
     return float(np.mean(lse - np.take_along_axis(z, tok[:, 1:, None], -1)[..., 0]))
 
 
-@pytest.mark.parametrize("scan,policy", [(True, "full"), (True, "save_dots"),
-                                          (False, "save_dots")])
-def test_scan_with_remat_equals_python_loop(fp32_run, scan, policy):
+@pytest.mark.parametrize("scan,policy,layers", [(True, "full", -1), (True, "save_dots", -1),
+                                                 (False, "save_dots", -1), (True, "full", 2),
+                                                 (True, "save_dots", 1), (False, "full", 1)])
+def test_scan_with_remat_equals_python_loop(fp32_run, scan, policy, layers):
     """Python loop without remat (fixture) vs `jax.checkpoint` under each remat policy, with
-    and without `lax.scan`: same tree, values, logits and gradients. (Scan without remat is
-    exercised by the state-carry test.)"""
+    and without `lax.scan`, on every block or the first `remat_layers` (a scan per run of
+    blocks): same tree, values, logits and gradients. (Scan without remat is exercised by the
+    state-carry test.)"""
     loop_model, loop_logits, loop_grads = fp32_run
     loop_params = param_dict(loop_model)
     model = make(small_cfg(), scale=_GRAD_SCALE,
-                 rt=small_rt(scan_layers=scan, remat=True, remat_policy=policy))
+                 rt=small_rt(scan_layers=scan, remat=True, remat_policy=policy,
+                             remat_layers=layers))
     (loss, logits), grads = loss_and_grads(model, _GRAD_TOKENS)
     params, grads = param_dict(model), nnx.to_pure_dict(nnx.state(grads))
     assert jax.tree.structure(params) == jax.tree.structure(loop_params)
@@ -227,6 +230,27 @@ def test_save_dots_keeps_matmul_and_wkv_kernel_outputs(impl):
                    for line in saved["full"])
     # full keeps only the blocks' inputs; one is a matmul output: layer 0's value (v_first)
     assert count(saved["full"], "named 'policy_matmul'") == 1
+
+
+def test_remat_layers_rematerializes_only_the_first_blocks():
+    """`remat_layers=k` wraps blocks 0..k-1 in `jax.checkpoint` and leaves the rest as without
+    remat: the saved-for-backward set grows with every unrematerialised block, k = 0 saves
+    what no remat saves, and k = L (or -1) what remat on every block saves."""
+    cfg = small_cfg(n_layer=3)
+
+    def saved(**kw):
+        rt = Runtime(wkv_impl="chunked", chunk_size=16, **kw)
+        return _saved_for_backward(RWKV7(cfg, "bf16-mixed", runtime=rt, rngs=nnx.Rngs(0)))
+    none, every = saved(remat=False), saved(remat=True)
+    by_k = [saved(remat=True, remat_layers=k) for k in range(cfg.n_layer + 1)]
+    assert by_k[0] == none and by_k[cfg.n_layer] == every
+    assert len(none) > len(by_k[1]) > len(by_k[2]) > len(every)
+    assert Runtime(remat=True, remat_layers=2).rematerialized(1)
+    assert not Runtime(remat=True, remat_layers=2).rematerialized(2)
+    assert not Runtime(remat=False, remat_layers=-1).rematerialized(0)
+    assert Runtime(remat=True, remat_layers=2).remat_runs(1, 4) == [(1, 2, True), (2, 4, False)]
+    assert Runtime(remat=True).remat_runs(0, 3) == [(0, 3, True)]
+    assert Runtime(remat=True, remat_layers=0).remat_runs(1, 3) == [(1, 3, False)]
 
 
 def test_param_count_of_0p1b_config_from_module_shapes():
