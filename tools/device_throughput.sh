@@ -4,11 +4,16 @@
 #   bash tools/device_throughput.sh prefill       # prefill [1, 4096]: ours then FLA, logits on both sides
 #   bash tools/device_throughput.sh profile [..]  # ours, 0.1B + 1.5B bf16-mixed, top GPU ops (extra args: train_step.py's)
 #   bash tools/device_throughput.sh train MODEL [..]  # FLA amp first (autotune), then ours bf16-mixed, same call
-#                                                    # (1.5b: the config, then unrolled + save_dots)
-#   bash tools/device_throughput.sh peer-tune MODEL   # FLA alone, to keep its autotuning (see peer())
+#                                                    # (extra args: train_step.py's, e.g. the 1.5B runtime
+#                                                    # of RESULTS.md: --set runtime.scan_layers=false
+#                                                    # runtime.remat_policy=save_dots runtime.remat_layers=2;
+#                                                    # FLA_S=seconds caps FLA's run, default 420)
+#   bash tools/device_throughput.sh peer-tune MODEL [S] # FLA alone for S seconds (540), to keep its
+#                                                    # autotuning (see peer())
 #
-# FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: 116 s of
-# warm-up; 0.1B did not finish in 240 s on 2026-11-23): one model per call, the peer first.
+# FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: over 380 s
+# from nothing, 235 s with 22 results restored on 2026-11-25; 0.1B did not finish in 240 s on
+# 2026-11-23): one model per call, the peer first.
 #   bash tools/device_throughput.sh precisions    # ours fp32-fast and fp32 (the price of fp32)
 #   bash tools/device_throughput.sh reset [..]    # 0.1B, documents of ~1000 tokens: state carried
 #                                                 # across them vs data.reset_at_document_boundary
@@ -60,18 +65,13 @@ case "$mode" in
   train)
     model=${1:?usage: $0 train 0.1b|1.5b [train_step.py args]}; shift
     peer
-    fla_train 420 "$model"
+    fla_train "${FLA_S:-420}" "$model"   # FLA_S: its time limit in seconds
     save_peer_tuning
-    python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@"
-    # 1.5B at 2 sequences per GPU: also the runtime that fits them fastest (RESULTS.md, session 10)
-    if [ "$model" = 1.5b ]; then
-      python3 benchmarks/train_step.py --models 1.5b --out "$OUT/ours_train.jsonl" \
-        --set runtime.scan_layers=false runtime.remat_policy=save_dots "$@"
-    fi ;;
+    python3 benchmarks/train_step.py --models "$model" --out "$OUT/ours_train.jsonl" "$@" ;;
   peer-tune)
-    model=${1:?usage: $0 peer-tune 0.1b|1.5b}; shift
+    model=${1:?usage: $0 peer-tune 0.1b|1.5b [seconds]}
     peer
-    fla_train 540 "$model"
+    fla_train "${2:-540}" "$model"
     save_peer_tuning ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
