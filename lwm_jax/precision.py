@@ -63,7 +63,7 @@ WKV_PRECISIONS = MATMUL_PRECISIONS + ("tf32x3",)
 LOSS_SCALES = ("none", "dynamic")
 # `jax.ad_checkpoint.checkpoint_name` of every `Policy.einsum` / `einsum_f32` result, in the
 # dtype the method returns it in. `matmul_outputs_saveable` keeps these values: under a 16-bit
-# policy that is the bf16/fp16 product, not the float32 accumulator it is rounded from (XLA's
+# policy that is the bf16/fp16 product, not the float32 accumulator it is rounded from (JAX's
 # `dots_with_no_batch_dims_saveable` keeps the accumulator: twice the memory per matmul).
 MATMUL_OUTPUT_NAME = "policy_matmul"
 

@@ -187,8 +187,8 @@ class Llama(nnx.Module):
         step_of = lambda l: rematted if rt.rematerialized(l) else plain  # noqa: E731
         if rt.scan_layers:
             caches = []
-            for start, stop, remat in rt.remat_runs(0, cfg.n_layer):
-                def body(x, xs, step=rematted if remat else plain):
+            for start, stop, _ in rt.remat_runs(0, cfg.n_layer):
+                def body(x, xs, step=step_of(start)):
                     p, layer_cache = xs
                     return step(p, x, layer_cache)
                 run = jax.tree.map(lambda a: a[start:stop], (params, cache))  # noqa: B023

@@ -219,13 +219,14 @@ class RWKV7(nnx.Module):
                 return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
             return jax.checkpoint(step, policy=remat_policy(rt)) if remat else step
 
+        rest_step = {remat: make(False, remat) for remat in (False, True)}
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
         x_BTC, v_first, s0 = make(True, rt.rematerialized(0))(
             layer(params, 0), x_BTC, None, layer(states, 0), segment_ids, scoped(probe, "layer0"))
         outs = [jax.tree.map(lambda a: a[None], s0)]
         if rt.scan_layers:
             for start, stop, remat in rt.remat_runs(1, cfg.n_layer):
-                def body(carry, xs, step=make(False, remat)):
+                def body(carry, xs, step=rest_step[remat]):
                     x, vf = carry
                     x, vf, st = step(xs[0], x, vf, xs[1], segment_ids)
                     return (x, vf), st
@@ -234,7 +235,7 @@ class RWKV7(nnx.Module):
                 outs.append(run_states)
         else:
             for l in range(1, cfg.n_layer):
-                x_BTC, v_first, st = make(False, rt.rematerialized(l))(
+                x_BTC, v_first, st = rest_step[rt.rematerialized(l)](
                     layer(params, l), x_BTC, v_first, layer(states, l), segment_ids,
                     scoped(probe, f"layer{l}"))
                 outs.append(jax.tree.map(lambda a: a[None], st))
