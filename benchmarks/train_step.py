@@ -77,7 +77,11 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     cfg = case_config(model, precision, overrides)
     t = cfg.train
     prog = build_program(cfg)
+    t_init = time.perf_counter()
     state = prog.init_state()
+    jax.block_until_ready(state)
+    # progress on stderr, so a case cut off by a time limit still says where its time went
+    print(f"STAGE init {time.perf_counter() - t_init:.1f} s", file=sys.stderr, flush=True)
     rng = np.random.default_rng(0)
     tokens_sh = tokens_sharding(prog.mesh)
 
@@ -90,6 +94,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
     t0 = time.perf_counter()
     compiled = prog.train_step.lower(state, batch_at()).compile()
     compile_s = time.perf_counter() - t0
+    print(f"STAGE compile {compile_s:.1f} s", file=sys.stderr, flush=True)
     analysis = step_bytes(compiled)
     limit = device_memory()[0]
     # printed before the first step, so a case that then runs out of memory still says how

@@ -1,46 +1,77 @@
 #!/usr/bin/env bash
-# Scale-out measurements on a 2-GPU machine (nvidia-h200-x2), two device calls (< 10 min each):
+# Scale-out measurements on a 2-GPU machine (nvidia-h200-x2 or nvidia-h100-x2), one part per
+# device call (each < 10 min):
 #
-#   bash tools/device_scaleout.sh dp         # data parallel, 0.1B and 1.5B (rows in $OUT/scaleout.jsonl)
-#   bash tools/device_scaleout.sh fsdp       # 1M-token sequence parallel, then FSDP of a ~7B model
+#   bash tools/device_scaleout.sh dp [MODEL] # data parallel, 0.1B and/or 1.5B (rows in $OUT/scaleout.jsonl)
+#   bash tools/device_scaleout.sh fsdp       # FSDP of a model one GPU cannot hold (+ 1M tokens on H200s)
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
+#   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
-# 2. FSDP: an RWKV-7 of ~7B (L32 D4096) at batch 2 x 4096 on one GPU (expected not to fit)
-#    and with mesh.fsdp=2 on two.
-# 3. Sequence parallelism: the 0.1B model at 1,048,576 tokens of context, mesh.sequence=2.
+# 2. FSDP at batch 2 x 4096, remat + layer scan: on one GPU (expected not to fit: only XLA's
+#    plan and the out-of-memory line are wanted, so GEMM autotuning is off there) and with
+#    mesh.fsdp=2 on two. The model is sized by the GPU: ~7B (L32 D4096) on 141 GB H200s,
+#    ~4B (L32 D3072; CPU plan 107.7 GiB on one device, 55.8 GiB each for fsdp=2) on 80 GB H100s.
+# 3. Sequence parallelism: the 0.1B model at 1,048,576 tokens of context, mesh.sequence=2 (part
+#    fsdp on H200s; on H100s part longest finds how long a context two GPUs train).
+# Memory: XLA_PYTHON_CLIENT_MEM_FRACTION (JAX's default 0.75) is raised to 0.95 unless set.
 set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
+export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rows="$OUT/scaleout.jsonl"
-case_() {   # case_ TIMEOUT GPUS train_step.py-args...
-  local t=$1 gpus=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpus timeout "$t" python3 benchmarks/train_step.py --out "$rows" "$@" \
-    2>&1 | grep '^{' | cut -c1-600
+case_() {   # case_ TIMEOUT GPUS MODEL train_step.py-args...: one case in this process, so the
+  # time limit ends the worker itself (not only a parent that would leave it on the GPUs)
+  local t=$1 gpus=$2 model=$3; shift 3
+  CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$t" python3 benchmarks/train_step.py \
+    --one "$model" bf16-mixed "$@" > "$OUT/case.log" 2>&1
+  local rc=$?
+  grep -h '^STAGE\|^ANALYSIS' "$OUT/case.log"
+  if grep -q '^ROW ' "$OUT/case.log"; then
+    grep '^ROW ' "$OUT/case.log" | cut -c5- | tee -a "$rows" | cut -c1-600
+  else
+    echo "{\"model\": \"$model\", \"args\": \"$*\", \"gpus\": \"$gpus\", \"rc\": $rc}" | tee -a "$rows"
+    grep -v '^STAGE\|^ANALYSIS' "$OUT/case.log" | tail -3 | cut -c1-400
+  fi
 }
-BIG="model.n_layer=32 model.n_embd=4096 runtime.remat=true runtime.scan_layers=true"
-# Cold compiles on a fresh machine (2026-11-24): 0.1B ~45 s, 1.5B more than 80 s, the ~7B case
-# more than 120 s. Pass `dp` or `fsdp` to run one half per call (each < 10 min).
+mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+if [ "${mib:-0}" -ge 100000 ]; then big_c=4096; else big_c=3072; fi   # H200 : H100
+BIG="model.n_layer=32 model.n_embd=$big_c runtime.remat=true runtime.scan_layers=true"
+# Time per case on a fresh machine: the 1.5B step compiles in 27-30 s, but initialising its state
+# took 67-69 s (H100, 2026-11-25), and the 4.1B state more than 190 s over two GPUs (not
+# profiled yet: benchmarks/init_time.py). One part per call keeps each call under 10 minutes.
 part=${1:-dp}
-if [ "$part" = dp ]; then
-  case_ 110 0   --models 0.1b --steps 8
-  case_ 120 0,1 --models 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
-  case_ 150 0   --models 1.5b --steps 6
-  case_ 150 0,1 --models 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
+  if [ "${2:-0.1b}" = 0.1b ]; then
+    case_ 110 0   0.1b --steps 8
+    case_ 120 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
+  fi
+  if [ "${2:-1.5b}" = 1.5b ]; then
+    case_ 150 0   1.5b --steps 6
+    case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+  fi
 elif [ "$part" = longest ]; then
+  if [ "${mib:-0}" -ge 100000 ]; then lo=1048576 hi=8388608 mult=524288
+  else lo=524288 hi=2097152 mult=131072; fi
   timeout 560 python3 benchmarks/longest_context.py --search-untuned \
-    --model 0.1b --lo 1048576 --hi 8388608 --multiple 524288 --run --out "$OUT/longest_sp.jsonl" \
+    --model 0.1b --lo $lo --hi $hi --multiple $mult --run --out "$OUT/longest_sp.jsonl" \
     --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
+elif [ "$part" = longest1 ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/longest_context.py --search-untuned \
+    --model 0.1b --lo 262144 --hi 1048576 --multiple 131072 --out "$OUT/longest_1gpu.jsonl" \
+    --set runtime.remat=true runtime.scan_layers=true
 else
-  case_ 120 0,1 --models 0.1b --steps 2 --warmup 1 --set train.batch_size=1 train.ctx_len=1048576 \
-    runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
-  # One GPU: only the pre-flight's answer is wanted (XLA's memory analysis of the compiled step
-  # against the GPU's limit; on CPU the analysis reads 186 GiB for one device, 95 GiB each for
-  # fsdp=2), so GEMM autotuning, most of the >120 s compile, is off for this case.
-  XLA_FLAGS=--xla_gpu_autotune_level=0 \
-    case_ 150 0 --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG
-  case_ 300 0,1 --models 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG mesh.data=1 mesh.fsdp=2
+  if [ "${mib:-0}" -ge 100000 ]; then
+    case_ 120 0,1 0.1b --steps 2 --warmup 1 --set train.batch_size=1 \
+      train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
+  fi
+  # One GPU: only XLA's plan against the GPU's limit is wanted (the trainer's pre-flight rule,
+  # compiled without GEMM autotuning, not run).
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 120 python3 benchmarks/longest_context.py --search-untuned \
+    --model 1.5b --lo 4096 --hi 4096 --multiple 4096 --out "$OUT/fsdp_1gpu_plan.jsonl" \
+    --set train.batch_size=2 $BIG 2>&1 | grep '^{' | cut -c1-500
+  case_ 300 0,1 1.5b --steps 3 --warmup 1 --set train.batch_size=2 $BIG mesh.data=1 mesh.fsdp=2
 fi

@@ -1,0 +1,89 @@
+"""Where the train state's initialisation spends its time: trace, compile, run (twice).
+
+`lwm-jax train` and `benchmarks/train_step.py` start by initialising the state on the device
+(`TrainProgram.init_state`: one jitted program with the state's shardings as its outputs).
+On an H100 that took 67-69 s for the 1.5B config and more than 190 s for a 4.1B model over two
+GPUs (benchmarks/RESULTS.md, session 12), longer than compiling the train step. This times each
+part of it for one model:
+
+- `trace`: lowering the jitted init (building the model's modules on abstract values);
+- `compile`: XLA's compile of it;
+- `run 1` / `run 2`: executing it, the first time (one-time costs of the libraries it calls,
+  e.g. solver handles) and again (the work itself);
+- with `--profile DIR`: the second run under `jax.profiler`, and its top device ops
+  (`profile_summary.py`).
+
+    python benchmarks/init_time.py --model 1.5b [--set model.n_layer=4] [--profile $OUT/init]
+
+On a CPU only `run 1` of the trainer's own CPU path (the model built op by op, see
+`lwm_jax/train/trainer.py`) is timed. One JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from train_step import MODELS, case_config  # noqa: E402  (the throughput bench's cases)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="1.5b", choices=sorted(MODELS))
+    ap.add_argument("--precision", default="bf16-mixed")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="dotted config overrides (model.n_layer=4, mesh.fsdp=2, ...)")
+    ap.add_argument("--profile", default=None, help="directory: profile the second run")
+    ap.add_argument("--out", default=None, help="also append the JSON line to this file")
+    args = ap.parse_args()
+
+    import jax
+
+    from lwm_jax.train.params import count_params
+    from lwm_jax.train.trainer import build_program
+
+    row: dict = {"model": args.model, "overrides": args.set, "jax": jax.__version__,
+                 "device": jax.local_devices()[0].device_kind, "devices": jax.device_count()}
+    t0 = time.perf_counter()
+    prog = build_program(case_config(args.model, args.precision, args.set))
+    row["params"] = count_params(prog.abstract_state.params)
+    row["build_s"] = round(time.perf_counter() - t0, 2)
+
+    def timed(name, fn):
+        t = time.perf_counter()
+        out = fn()
+        jax.block_until_ready(out)
+        row[name] = round(time.perf_counter() - t, 2)
+        print(f"STAGE {name} {row[name]} s", file=sys.stderr, flush=True)
+        return out
+
+    if jax.default_backend() == "cpu":
+        timed("run1_s", prog.init_state)
+    else:
+        init = jax.jit(prog.fresh_state, out_shardings=prog.state_sh)
+        lowered = timed("trace_s", init.lower)
+        compiled = timed("compile_s", lowered.compile)
+        state = timed("run1_s", compiled)
+        del state
+        if args.profile:
+            from profile_summary import top_ops
+
+            from lwm_jax.train.profiling import trace
+            os.makedirs(args.profile, exist_ok=True)
+            with trace(args.profile):
+                timed("run2_s", compiled)
+            row["top_ops"] = top_ops(args.profile, n=15)
+        else:
+            timed("run2_s", compiled)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if args.out:
+        with open(args.out, "a", encoding="utf-8") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
