@@ -11,9 +11,12 @@ part of it for one model:
 - `run 1` / `run 2`: executing it, the first time (one-time costs of the libraries it calls,
   e.g. solver handles) and again (the work itself);
 - with `--profile DIR`: the second run under `jax.profiler`, and its top device ops
-  (`profile_summary.py`).
+  (`profile_summary.py`);
+- with `--qr`: each semi-orthogonal matrix shape of the RWKV-7 model alone (`init.orthogonal`:
+  Gaussian + QR, the suspects), second of two runs: `[L, C, C]` (receptance, key, value),
+  `[L, C, F]` (ChannelMix key), `[C, V]` (head), `[L, d, C]` (the LoRA up-projections).
 
-    python benchmarks/init_time.py --model 1.5b [--set model.n_layer=4] [--profile $OUT/init]
+    python benchmarks/init_time.py --model 1.5b [--set model.n_layer=4] [--profile $OUT/init] [--qr]
 
 On a CPU only `run 1` of the trainer's own CPU path (the model built op by op, see
 `lwm_jax/train/trainer.py`) is timed. One JSON line.
@@ -30,6 +33,25 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import MODELS, case_config  # noqa: E402  (the throughput bench's cases)
 
 
+def qr_times(m) -> dict[str, float]:
+    """Seconds per orthogonal matrix shape of an RWKV-7 config `m` (second of two runs)."""
+    import jax
+
+    from lwm_jax.models.rwkv7 import init
+    m = m.resolved()
+    L, C, V = m.n_layer, m.n_embd, m.vocab_size
+    shapes = {"L,C,C": (L, C, C), "L,C,F": (L, C, m.ffn_dim), "C,V": (C, V),
+              "L,d,C": (L, max(m.decay_lora, m.a_lora, m.v_lora, m.gate_lora), C)}
+    key, out = jax.random.PRNGKey(0), {}
+    for name, shape in shapes.items():
+        init.orthogonal(key, shape, 1.0)
+        t = time.perf_counter()
+        init.orthogonal(key, shape, 1.0)       # waits for its result outside a trace
+        out[name] = round(time.perf_counter() - t, 3)
+        print(f"STAGE qr {name} {out[name]} s", file=sys.stderr, flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="1.5b", choices=sorted(MODELS))
@@ -37,6 +59,7 @@ def main() -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                     help="dotted config overrides (model.n_layer=4, mesh.fsdp=2, ...)")
     ap.add_argument("--profile", default=None, help="directory: profile the second run")
+    ap.add_argument("--qr", action="store_true", help="also time each orthogonal matrix shape")
     ap.add_argument("--out", default=None, help="also append the JSON line to this file")
     args = ap.parse_args()
 
@@ -78,6 +101,8 @@ def main() -> None:
             row["top_ops"] = top_ops(args.profile, n=15)
         else:
             timed("run2_s", compiled)
+    if args.qr:
+        row["qr_s"] = qr_times(prog.cfg.model)
     line = json.dumps(row)
     print(line, flush=True)
     if args.out:

@@ -6,6 +6,8 @@
 #   bash tools/device_scaleout.sh fsdp       # FSDP of a model one GPU cannot hold (+ 1M tokens on H200s)
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
 #   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
+#   bash tools/device_scaleout.sh overlap    # 1.5B data parallel with XLA's all-reduce overlap flags
+#   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
@@ -53,6 +55,14 @@ if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
     case_ 150 0   1.5b --steps 6
     case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   fi
+elif [ "$part" = overlap ]; then   # same call: 1 GPU, 2 GPUs, 2 GPUs with the flags
+  OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
+  case_ 150 0   1.5b --steps 6
+  case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+  XLA_FLAGS="$OV" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+elif [ "$part" = init ]; then
+  CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python3 benchmarks/init_time.py --model 1.5b --qr \
+    --profile "$OUT/init_prof" --out "$OUT/init.jsonl" 2>&1 | grep '^STAGE\|^{' | cut -c1-3000
 elif [ "$part" = longest ]; then
   if [ "${mib:-0}" -ge 100000 ]; then lo=1048576 hi=8388608 mult=524288
   else lo=524288 hi=2097152 mult=131072; fi
