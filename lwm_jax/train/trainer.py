@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import time
 from typing import Any
 
 import jax
@@ -173,7 +174,9 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
 
     # Restore the newest complete checkpoint, or initialise.
     if latest is None:
-        state, data_state = prog.init_state(), None
+        t_init = time.perf_counter()    # minutes for multi-billion-parameter models on a GPU
+        state, data_state = jax.block_until_ready(prog.init_state()), None
+        init_s = time.perf_counter() - t_init
     else:
         state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract_state, state_sh))
 
@@ -202,7 +205,8 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     n_params = count_params(abstract_state.params)
     say(f"lwm-jax train: run {cfg.name!r} in {run_dir}: {n_params:,} params, "
                f"precision {policy.name}, mesh {sizes}, data {data.description}; "
-               + (f"resumed at step {start}" if latest is not None else "fresh start")
+               + (f"resumed at step {start}" if latest is not None
+                  else f"fresh start (state initialised in {init_s:.1f} s)")
                + f", training to step {end} of {t.steps}")
     lg = cfg.logging
     trackers = (make_trackers(lg.trackers, run_dir, run_name=cfg.name,
