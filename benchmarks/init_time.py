@@ -33,8 +33,31 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import MODELS, case_config  # noqa: E402  (the throughput bench's cases)
 
 
+def _cholesky_qr2(key, shape):
+    """A GEMM-based candidate for the same matrices, timed beside the QR: Q of a Gaussian
+    `[..., big, small]` by two Cholesky-QR passes (Gram matrix, Cholesky, triangular solve;
+    float32, IEEE products), and `max |QᵀQ - I|` (float32 Cholesky-QR2 needs a well-conditioned
+    input: fine for tall Gaussians, not assured for square ones)."""
+    import jax
+    import jax.numpy as jnp
+
+    *batch, m, n = shape
+    x = jax.random.normal(key, (*batch, max(m, n), min(m, n)), jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    for _ in range(2):
+        gram = jnp.einsum("...mi,...mj->...ij", x, x, precision=hi)
+        chol = jnp.linalg.cholesky(gram)
+        x = jax.lax.linalg.triangular_solve(chol, x, left_side=False, lower=True,
+                                            transpose_a=True)
+    err = jnp.einsum("...mi,...mj->...ij", x, x, precision=hi) - jnp.eye(x.shape[-1])
+    return x, jnp.max(jnp.abs(err))
+
+
 def qr_times(m) -> dict[str, float]:
-    """Seconds per orthogonal matrix shape of an RWKV-7 config `m` (second of two runs)."""
+    """Seconds per orthogonal matrix shape of an RWKV-7 config `m` (second of two runs), the
+    library's QR and, as `chol2 <shape>`, `_cholesky_qr2` with its orthogonality error."""
+    import functools
+
     import jax
 
     from lwm_jax.models.rwkv7 import init
@@ -49,6 +72,12 @@ def qr_times(m) -> dict[str, float]:
         init.orthogonal(key, shape, 1.0)       # waits for its result outside a trace
         out[name] = round(time.perf_counter() - t, 3)
         print(f"STAGE qr {name} {out[name]} s", file=sys.stderr, flush=True)
+        chol = jax.jit(functools.partial(_cholesky_qr2, shape=shape))
+        jax.block_until_ready(chol(key))
+        t = time.perf_counter()
+        _, err = jax.block_until_ready(chol(key))
+        out[f"chol2 {name}"] = [round(time.perf_counter() - t, 3), float(err)]
+        print(f"STAGE chol2 {name} {out[f'chol2 {name}']}", file=sys.stderr, flush=True)
     return out
 
 
