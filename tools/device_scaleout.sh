@@ -11,9 +11,9 @@
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
-# 2. FSDP at batch 2 x 4096, remat + layer scan: on one GPU (expected not to fit: only XLA's
-#    plan and the out-of-memory line are wanted, so GEMM autotuning is off there) and with
-#    mesh.fsdp=2 on two. The model is sized by the GPU: ~7B (L32 D4096) on 141 GB H200s,
+# 2. FSDP at batch 2 x 4096, remat + layer scan: on one GPU only XLA's plan of the step against
+#    the GPU's limit (compiled without GEMM autotuning, not run), and a run with mesh.fsdp=2 on
+#    two. The model is sized by the GPU: ~7B (L32 D4096) on 141 GB H200s,
 #    ~4B (L32 D3072; CPU plan 107.7 GiB on one device, 55.8 GiB each for fsdp=2) on 80 GB H100s.
 # 3. Sequence parallelism: the 0.1B model at 1,048,576 tokens of context, mesh.sequence=2 (part
 #    fsdp on H200s; on H100s part longest finds how long a context two GPUs train).
@@ -25,8 +25,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.95}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 rows="$OUT/scaleout.jsonl"
-case_() {   # case_ TIMEOUT GPUS MODEL train_step.py-args...: one case in this process, so the
-  # time limit ends the worker itself (not only a parent that would leave it on the GPUs)
+case_() {   # case_ TIMEOUT GPUS MODEL train_step.py-args...: the case's own process (`--one`),
+  # its log kept, so one cut off by its limit still shows its STAGE lines and last words
   local t=$1 gpus=$2 model=$3; shift 3
   CUDA_VISIBLE_DEVICES=$gpus timeout -k 10 "$t" python3 benchmarks/train_step.py \
     --one "$model" bf16-mixed "$@" > "$OUT/case.log" 2>&1
