@@ -5,7 +5,9 @@ alone are too large. Activations depend on the batch, the context, the loss
 chunk, remat and what XLA fuses, so only the compiled step knows them: here XLA's own memory
 analysis of the compiled step (arguments + outputs - donated aliases + temporaries, bytes per
 device) is compared with the memory of one accelerator, or with the host's available memory
-for CPU devices, before the step first runs. A step that does not fit ends in one line naming
+for CPU devices, before the step first runs. The trainer compiles from the state's shapes and
+shardings, before initialising or restoring it (`compile_step` takes arrays or
+`jax.ShapeDtypeStruct`s). A step that does not fit ends in one line naming
 the keys that shrink it, not in RESOURCE_EXHAUSTED from the allocator after minutes of compile.
 """
 from __future__ import annotations

@@ -72,13 +72,19 @@ def test_unknown_sizes_never_refuse():
     check_step_fits(cfg, {"peak": 10**15, "arguments": 0, "temp": 0}, None, "x")
 
 
-def test_the_cli_refuses_before_the_first_step(tmp_path, monkeypatch, capsys):
+def test_the_cli_refuses_before_the_state_is_initialised(tmp_path, monkeypatch, capsys):
+    """The step is compiled and checked from shapes alone: a run that cannot fit is refused
+    without waiting for the state's initialisation (minutes for billions of parameters)."""
     import lwm_jax.train.preflight as preflight
+    from lwm_jax.train.trainer import TrainProgram
     monkeypatch.setattr(preflight, "device_memory", lambda: (1 << 20, "memory of one test device"))
+    initialised = []
+    monkeypatch.setattr(TrainProgram, "init_state", lambda self: initialised.append(1))
     status = cli_main(["train", "--no-progress", *SMALL, f"run_dir={tmp_path / 'run'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1, err
     assert "memory of one test device" in err[0] and "train.batch_size=4" in err[0]
+    assert not initialised
 
 
 class _FakeGpu:
