@@ -211,10 +211,14 @@ def to_global(local_BT1: np.ndarray, sharding: NamedSharding, global_batch: int,
             raise ValueError(f"data: token id {top} is outside model.vocab_size={vocab_size}; "
                              "the data was tokenised with another vocabulary (check "
                              "data.tokenizer and model.vocab_size)")
-    width = local_BT1.shape[-1]
-    if grad_accum > 1:
-        local = local_BT1.reshape(grad_accum, -1, width)
-        shape = (grad_accum, global_batch // grad_accum, width)
-    else:
-        local, shape = local_BT1, (global_batch, width)
+    shape = global_batch_shape(global_batch, local_BT1.shape[-1], grad_accum)
+    local = local_BT1.reshape(grad_accum, -1, shape[-1]) if grad_accum > 1 else local_BT1
     return jax.make_array_from_process_local_data(sharding, local, shape)
+
+
+def global_batch_shape(global_batch: int, width: int, grad_accum: int = 1) -> tuple[int, ...]:
+    """Shape of the global token batch a train step takes: `[B, T+1]`, or `[A, B/A, T+1]` with
+    `grad_accum` A > 1 (`width` = T+1)."""
+    if grad_accum > 1:
+        return (grad_accum, global_batch // grad_accum, width)
+    return (global_batch, width)

@@ -174,9 +174,10 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     step_tokens_sh = tokens_sharding(mesh, with_accum_axis=t.grad_accum > 1)
     # Compile the step and refuse one that cannot fit before anything is allocated: initialising
     # a multi-billion-parameter state takes minutes on a GPU (67 s at 1.5B on an H100).
-    compiled_step = compile_step(cfg, prog.train_step,
-                                 abstract_with_shardings(abstract_state, state_sh),
-                                 _abstract_tokens(t, step_tokens_sh))
+    tokens_shape = batches.global_batch_shape(t.batch_size, t.ctx_len + 1, t.grad_accum)
+    compiled_step = compile_step(
+        cfg, prog.train_step, abstract_with_shardings(abstract_state, state_sh),
+        jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=step_tokens_sh))  # samplers: int32
 
     # Restore the newest complete checkpoint, or initialise.
     if latest is None:
@@ -242,7 +243,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         if watch.push(step, metrics, tokens):
             stopped_by = "non-finite"
             break
-        if step == start + 1:             # the first step compiled: time from here on
+        if step == start + 1:             # the first run's one-time costs: time from here on
             jax.block_until_ready(metrics)
             logger.reset_timer(step)
         if step % t.log_every == 0 or step == end:
@@ -334,14 +335,6 @@ def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
                 what = f"{key}={short(old_value)}"
             raise ValueError(f"run_dir: {cfg.resolved_run_dir} holds checkpoints of a run with "
                              f"{what}; resume with the same settings or choose a new run_dir")
-
-
-def _abstract_tokens(t, sharding) -> jax.ShapeDtypeStruct:
-    """The global int32 token batch one train step takes, as `batches.to_global` builds it:
-    `[B, T+1]`, or `[A, B/A, T+1]` with `train.grad_accum` A > 1."""
-    shape = ((t.grad_accum, t.batch_size // t.grad_accum, t.ctx_len + 1) if t.grad_accum > 1
-             else (t.batch_size, t.ctx_len + 1))
-    return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding)
 
 
 def _initial_state(fresh_state, state_sh) -> TrainState:
