@@ -135,7 +135,9 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
            "step_ms": round(step_s * 1e3, 2),
            "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
            "ktok_s": round(tokens / step_s / 1e3, 2),
-           "mfu_pct": round(6 * n_params * tokens / step_s / (PEAK_TFLOPS * 1e12) * 100, 2),
+           "devices": jax.device_count(),   # MFU is per GPU, like the trainer's metrics
+           "mfu_pct": round(6 * n_params * tokens / step_s
+                            / (PEAK_TFLOPS * 1e12 * jax.device_count()) * 100, 2),
            "peak_gib": round(stats.get("peak_bytes_in_use", 0) / 2**30, 2),
            "xla_analysis_gib": round(analysis["peak"] / 2**30, 2) if analysis else None,
            "compile_s": round(compile_s, 1),
