@@ -6,7 +6,7 @@
 #   bash tools/device_scaleout.sh fsdp       # FSDP of a model one GPU cannot hold (+ 1M tokens on H200s)
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
 #   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
-#   bash tools/device_scaleout.sh overlap    # 1.5B data parallel with XLA's all-reduce overlap flags
+#   bash tools/device_scaleout.sh overlap    # 1.5B data parallel, and with XLA's overlap flags (2, 3)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
@@ -42,9 +42,9 @@ case_() {   # case_ TIMEOUT GPUS MODEL train_step.py-args...: the case's own pro
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "${mib:-0}" -ge 100000 ]; then big_c=4096; else big_c=3072; fi   # H200 : H100
 BIG="model.n_layer=32 model.n_embd=$big_c runtime.remat=true runtime.scan_layers=true"
-# Time per case on a fresh machine: the 1.5B step compiles in 27-30 s, but initialising its state
-# took 67-69 s (H100, 2026-11-25), and the 4.1B state more than 190 s over two GPUs (not
-# profiled yet: benchmarks/init_time.py). One part per call keeps each call under 10 minutes.
+# Time per case on a fresh H100 (2026-11-25): 1.5B init 6-9 s (63 s before the QRs ran one
+# matrix at a time), compile 29-40 s; 4.1B over two GPUs init 10 s, compile 32 s; the 1.5B
+# step without layer scan compiles in 111-123 s. One part per call keeps each call < 10 minutes.
 part=${1:-dp}
 if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
   if [ "${2:-0.1b}" = 0.1b ]; then
@@ -57,15 +57,17 @@ if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
   fi
 elif [ "$part" = overlap ]; then   # same call: 1 GPU, 2 GPUs, 2 GPUs with the flags
   OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
+  OV3="$OV --xla_gpu_enable_while_loop_double_buffering=true"
   case_ 150 0   1.5b --steps 6
   case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   XLA_FLAGS="$OV" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+  XLA_FLAGS="$OV3" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
 elif [ "$part" = init ]; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python3 benchmarks/init_time.py --model 1.5b --qr \
     --profile "$OUT/init_prof" --out "$OUT/init.jsonl" 2>&1 | grep '^STAGE\|^{' | cut -c1-3000
 elif [ "$part" = longest ]; then
   if [ "${mib:-0}" -ge 100000 ]; then lo=1048576 hi=8388608 mult=524288
-  else lo=524288 hi=2097152 mult=131072; fi
+  else lo=1048576 hi=2097152 mult=262144; fi
   timeout 560 python3 benchmarks/longest_context.py --search-untuned \
     --model 0.1b --lo $lo --hi $hi --multiple $mult --run --out "$OUT/longest_sp.jsonl" \
     --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
