@@ -6,7 +6,8 @@ Reads the newest `perfetto_trace.json.gz` under the directory, keeps the complet
 accelerator processes (`/device:GPU:*`, `/device:TPU:*`: one event per kernel launch), and sums
 their durations by kernel name, by kind (WKV kernels, GEMMs, other XLA fusions, copies) and by
 the model's `jax.named_scope` (the innermost of `SCOPES` found in the event's HLO op metadata;
-backward ops keep their forward scope inside `transpose(...)`). Needs nothing beyond the
+backward ops keep their forward scope inside `transpose(...)`); per device, how much collective
+(NCCL) time no compute kernel overlaps (`communication`). Needs nothing beyond the
 standard library, so it runs where the trace was taken.
 """
 from __future__ import annotations
@@ -28,24 +29,28 @@ def _newest_trace(directory: str) -> str | None:
 # innermost first: an op inside `wkv` is also inside `time_mix`
 SCOPES = ("wkv", "time_mix", "channel_mix", "attention", "mlp", "block_norm", "embed", "head",
           "loss", "optimizer")
-KINDS = (("wkv kernels", ("wkv7_",)), ("copies", ("memcpy", "copy")),
+COLLECTIVE_KEYS = ("nccl", "all-reduce", "all_reduce", "allreduce", "all-gather", "allgather",
+                   "reduce-scatter", "reducescatter", "all-to-all", "collective-permute")
+KINDS = (("collectives", COLLECTIVE_KEYS), ("wkv kernels", ("wkv7_",)),
+         ("copies", ("memcpy", "copy")),
          ("gemm", ("gemm", "nvjet", "xmma", "cutlass", "cublas", "dot")),
          ("other fusions", ("fusion",)))
 
 
-def _device_events(directory: str) -> list[dict]:
+def _device_events(directory: str, with_names: bool = False):
+    """Complete events of the device processes; with `with_names` also `{pid: process name}`."""
     path = _newest_trace(directory)
-    if path is None:
-        return []
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
-    device_pids = {e["pid"] for e in events
-                   if e.get("ph") == "M" and e.get("name") == "process_name"
-                   and any(k in str((e.get("args") or {}).get("name", ""))
-                           for k in ("/device:GPU", "/device:TPU"))}
-    return [e for e in events
-            if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+    events: list = []
+    if path is not None:
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            data = json.load(f)
+        events = data["traceEvents"] if isinstance(data, dict) else data
+    devices = {e["pid"]: str((e.get("args") or {}).get("name", "")) for e in events
+               if e.get("ph") == "M" and e.get("name") == "process_name"
+               and any(k in str((e.get("args") or {}).get("name", ""))
+                       for k in ("/device:GPU", "/device:TPU"))}
+    kept = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
+    return (kept, devices) if with_names else kept
 
 
 def _ranked(total_us: dict, calls: dict, n: int | None) -> list[dict]:
@@ -128,6 +133,61 @@ def top_ops(directory: str, n: int = 20, key=lambda e: e["name"]) -> list[dict]:
     return _ranked(total_us, calls, n)
 
 
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Sorted, merged `(start, end)` intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _overlap(xs, ys) -> float:
+    """Total length of the intersection of two merged interval lists."""
+    i = j = 0
+    total = 0.0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0.0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def communication(directory: str) -> list[dict]:
+    """Per device: how much of its collective kernels' time (NCCL, all-reduce, ...) no other
+    kernel of the same device overlaps. Fields (ms over the whole trace): `span` (first kernel
+    start to last kernel end), `busy` (any kernel running), `collective` (any collective
+    running), `exposed_collective` (a collective running and no compute kernel), `idle`
+    (span - busy). Exposed collective time is what overlapping communication could still win."""
+    events, devices = _device_events(directory, with_names=True)
+    rows = []
+    for pid, name in sorted(devices.items(), key=lambda kv: kv[1]):
+        mine = [e for e in events if e["pid"] == pid]
+        if not mine:
+            continue
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in mine]
+        is_coll = [any(k in e["name"].lower() for k in COLLECTIVE_KEYS) for e in mine]
+        coll = _union([sp for sp, c in zip(spans, is_coll) if c])
+        comp = _union([sp for sp, c in zip(spans, is_coll) if not c])
+        busy = _union(spans)
+        span = max(b for _, b in spans) - min(a for a, _ in spans)
+        ms = lambda us: round(us / 1e3, 3)  # noqa: E731
+        rows.append({"device": name, "span": ms(span), "busy": ms(_length(busy)),
+                     "collective": ms(_length(coll)),
+                     "exposed_collective": ms(_length(coll) - _overlap(coll, comp)),
+                     "idle": ms(span - _length(busy))})
+    return rows
+
+
 def summary(directory: str, n: int = 40) -> dict:
     """Top `n` kernels, time by kind, by named scope and (with `HLO_FILE`) by jax op path,
     and three sample events' metadata."""
@@ -137,6 +197,7 @@ def summary(directory: str, n: int = 40) -> dict:
             "by_kind": top_ops(directory, None, lambda e: _kind(e["name"])),
             "by_scope": top_ops(directory, None, lambda e: _scope(e, names)),
             "by_op": top_ops(directory, n, lambda e: _op_path(e, names)) if names else [],
+            "communication": communication(directory),
             "sample_args": [e.get("args") for e in events[:3]]}
 
 
@@ -151,6 +212,9 @@ def main() -> None:
         print(f"-- {title}")
         for row in result[title]:
             print(f"{row['ms']:10.3f} ms {row['pct']:5.1f}% {row['calls']:6d}x  {row['name']}")
+    print("-- communication (ms over the trace)")
+    for row in result["communication"]:
+        print(json.dumps(row))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

@@ -7,6 +7,7 @@
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
 #   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
 #   bash tools/device_scaleout.sh overlap    # 1.5B data parallel, and with XLA's overlap flags (2, 3)
+#   bash tools/device_scaleout.sh dpprof     # profiles of the 1.5B step on 1 and 2 GPUs (exposed NCCL)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
@@ -62,6 +63,15 @@ elif [ "$part" = overlap ]; then   # same call: 1 GPU, 2 GPUs, 2 GPUs with the f
   case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   XLA_FLAGS="$OV" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   XLA_FLAGS="$OV3" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+elif [ "$part" = dpprof ]; then   # where the two-GPU 1.5B step loses time: profiles of both
+  OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
+  NOCB="--xla_gpu_enable_command_buffer="     # kernels named by HLO op in the trace
+  XLA_FLAGS="$NOCB" case_ 150 0 1.5b --steps 5 --profile "$OUT/prof1"
+  XLA_FLAGS="$OV $NOCB" case_ 150 0,1 1.5b --steps 5 --profile "$OUT/prof2" \
+    --set train.batch_size=4 mesh.data=2
+  for d in prof1 prof2; do
+    echo "== $d"; python3 benchmarks/profile_summary.py "$OUT/$d" --n 12 | cut -c1-200
+  done
 elif [ "$part" = init ]; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python3 benchmarks/init_time.py --model 1.5b --qr \
     --profile "$OUT/init_prof" --out "$OUT/init.jsonl" 2>&1 | grep '^STAGE\|^{' | cut -c1-3000
