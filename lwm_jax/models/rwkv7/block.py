@@ -50,9 +50,10 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     Args:
       p: one layer's parameters `{"ln1", "ln2", "att", "ffn"}` (plain dict of arrays).
       x_BTC: `[B, T, C]` residual stream in `policy.compute_dtype`.
-      v_first_BTC: `[B, T, C]` layer 0's value (None when `first`).
+      v_first_BTC: `[B, T, C]` layer 0's value (None when `first` is True).
       state: this layer's `LayerState` (float32).
-      first: True for layer 0 only (a Python bool: it changes the traced program).
+      first: True for layer 0 only (a Python bool: it changes the traced program), or a
+        traced bool scalar inside a layer scan (`time_mix_forward`).
       cfg, policy, runtime: `ModelConfig`, `Policy`, `Runtime` (WKV implementation and chunk).
       probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
         residual stream after each (`x_att`, `x_out`).

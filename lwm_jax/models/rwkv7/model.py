@@ -208,37 +208,50 @@ class RWKV7(nnx.Module):
         return None if self.mesh is None else _sequence_parallel_wkv(self.mesh)
 
     def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
-        """Layer 0 (defines v_first), then layers 1..L-1 by Python loop or `lax.scan`."""
+        """All layers, by Python loop (layer 0 traced apart: it defines v_first) or `lax.scan`.
+
+        The scan runs layer 0 in its body too, told apart by a traced flag (`block_forward`'s
+        `first`), so one remat setting over all layers scans the stacked `[L, ...]` parameters
+        and states as they are: slicing off layer 0 copied every other layer's float32
+        parameters before the scan, and its gradient was a concatenation of them after it.
+        """
         cfg, policy, rt = self.cfg, self.policy, self.runtime
 
         def make(first, remat):
-            fn = partial(block_forward, first=first, cfg=cfg, policy=policy, runtime=rt,
+            """`first`: True / False (layer 0 / later ones), or None: a traced flag per call."""
+            fn = partial(block_forward, cfg=cfg, policy=policy, runtime=rt,
                          wkv_op=self._wkv_op())
 
-            def step(p, x, v_first, st, seg, layer_probe=None):
-                return fn(p, x, v_first, st, segment_ids_BT=seg, probe=layer_probe)
+            def step(p, x, v_first, st, seg, is_first=None, layer_probe=None):
+                return fn(p, x, v_first, st, first=first if first is not None else is_first,
+                          segment_ids_BT=seg, probe=layer_probe)
             return jax.checkpoint(step, policy=remat_policy(rt)) if remat else step
 
-        rest_step = {remat: make(False, remat) for remat in (False, True)}
-        layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
-        x_BTC, v_first, s0 = make(True, rt.rematerialized(0))(
-            layer(params, 0), x_BTC, None, layer(states, 0), segment_ids, scoped(probe, "layer0"))
-        outs = [jax.tree.map(lambda a: a[None], s0)]
         if rt.scan_layers:
-            for start, stop, remat in rt.remat_runs(1, cfg.n_layer):
-                def body(carry, xs, step=rest_step[remat]):
-                    x, vf = carry
-                    x, vf, st = step(xs[0], x, vf, xs[1], segment_ids)
-                    return (x, vf), st
-                run = jax.tree.map(lambda a: a[start:stop], (params, states))  # noqa: B023
-                (x_BTC, v_first), run_states = jax.lax.scan(body, (x_BTC, v_first), run)
+            runs = rt.remat_runs(0, cfg.n_layer)
+            carry = (x_BTC, jnp.zeros_like(x_BTC))      # v_first: set by layer 0
+            outs = []
+            for start, stop, remat in runs:
+                def body(carry, xs, step=make(None, remat)):
+                    p, st, layer_id = xs
+                    x, vf, new_st = step(p, carry[0], carry[1], st, segment_ids, layer_id == 0)
+                    return (x, vf), new_st
+                whole = (start, stop) == (0, cfg.n_layer)
+                run = (params, states) if whole else jax.tree.map(
+                    lambda a: a[start:stop], (params, states))  # noqa: B023
+                carry, run_states = jax.lax.scan(body, carry, (*run, jnp.arange(start, stop)))
                 outs.append(run_states)
-        else:
-            for l in range(1, cfg.n_layer):
-                x_BTC, v_first, st = rest_step[rt.rematerialized(l)](
-                    layer(params, l), x_BTC, v_first, layer(states, l), segment_ids,
-                    scoped(probe, f"layer{l}"))
-                outs.append(jax.tree.map(lambda a: a[None], st))
+            if len(outs) == 1:
+                return carry[0], outs[0]
+            return carry[0], jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
+
+        layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+        v_first, outs = None, []
+        for l in range(cfg.n_layer):
+            x_BTC, v_first, st = make(l == 0, rt.rematerialized(l))(
+                layer(params, l), x_BTC, v_first, layer(states, l), segment_ids,
+                layer_probe=scoped(probe, f"layer{l}"))
+            outs.append(jax.tree.map(lambda a: a[None], st))
         return x_BTC, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
     def _check_state(self, state, batch_size: int):

@@ -152,8 +152,9 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       x_BTC: `[B, T, C]` LayerNorm'd input (cast to `policy.compute_dtype`).
       shift_BC: `[B, C]` previous token's `x` (any float dtype; zeros for a fresh sequence).
       wkv_BHNN: `[B, H, N, N]` float32 WKV state, indexed [key, value].
-      v_first_BTC: `[B, T, C]` layer 0's value (ignored, may be None, when `first`).
-      first: True for layer 0 (defines `v_first = v`; no value residual).
+      v_first_BTC: `[B, T, C]` layer 0's value (ignored, may be None, when `first` is True).
+      first: True for layer 0 (defines `v_first = v`; no value residual), False for the others,
+        or a traced bool scalar (a layer scan's body): both forms computed, one selected.
       segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
       probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`); sees r, k, v, the
         log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
@@ -178,11 +179,16 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     v = policy.einsum("btc,cd->btd", xv, p["value"])
     w = decay_log(p, xw, policy)
 
-    if first:
+    if first is True:
         v_first_BTC = v
     else:
         v_gate = jax.nn.sigmoid(param_add(_lora(policy, xv, p["v1"], p["v2"]), p["v0"]))
-        v = v + (v_first_BTC.astype(cd) - v) * v_gate
+        mixed = v + (v_first_BTC.astype(cd) - v) * v_gate
+        if first is False:
+            v = mixed
+        else:   # traced flag (layer scan): layer 0 keeps v and defines v_first with it; its
+            v = jnp.where(first, v, mixed)     # v0/v1/v2 gradients are then exactly zero
+            v_first_BTC = jnp.where(first, v, v_first_BTC.astype(cd))
     a = jax.nn.sigmoid(param_add(_lora(policy, xa, p["a1"], p["a2"]), p["a0"]))
     g = policy.einsum("btr,rc->btc", jax.nn.sigmoid(policy.einsum("btc,cr->btr", xg, p["g1"])),
                       p["g2"])

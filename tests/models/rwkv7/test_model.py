@@ -5,6 +5,7 @@ import contextlib
 import io
 
 import jax
+import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -185,6 +186,40 @@ def test_scan_with_remat_equals_python_loop(fp32_run, scan, policy, layers):
             assert rel(g, g0) <= 1e-5
         else:  # layer 0's unused v0/v1/v2 get exactly zero gradient on every path
             assert float(jnp.linalg.norm(g)) == 0.0
+
+
+def _eqns(jaxpr):
+    """Every equation of a jaxpr, nested ones (scan bodies, remat) included."""
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            yield from _eqns(sub)
+
+
+@pytest.mark.parametrize("layers,scans", [(-1, [3]), (2, [2, 1])])
+def test_layer_scan_takes_the_parameter_stacks_whole(layers, scans):
+    """With one remat setting over all layers the scan runs all L layers (layer 0 included)
+    over the stacked parameters as they are: no slice of a `[L, ...]` stack before it, no
+    concatenation of the `[L, ...]` gradient after it (each a pass over every float32
+    parameter of the model per step). Two remat runs still slice at their boundary."""
+    cfg = small_cfg()
+    model = make(cfg, rt=small_rt(scan_layers=True, remat=True, remat_layers=layers))
+    graphdef, params = nnx.split(model)
+    tok = tokens(1, 17, cfg.vocab_size)
+    loss = lambda p: nnx.merge(graphdef, p)(tok).sum()  # noqa: E731
+    eqns = list(_eqns(jax.make_jaxpr(jax.grad(loss))(params).jaxpr))
+    L, C = cfg.n_layer, cfg.n_embd
+    layer_scans = [e.params["length"] for e in eqns if e.primitive.name == "scan"
+                   and any(getattr(v.aval, "shape", ())[1:] == (C, C) for v in e.invars)]
+    assert layer_scans[:len(scans)] == scans       # the forward's; the backward's follow
+    stack_ops = [e for e in eqns if e.primitive.name in ("slice", "concatenate")
+                 and any(getattr(v.aval, "shape", ())[:1] in ((L,), (L - 1,))
+                         and getattr(v.aval, "shape", ())[1:] == (C, C)
+                         for v in [*e.invars, *e.outvars])]
+    if layers == -1:
+        assert stack_ops == []
+    else:
+        assert stack_ops
 
 
 def _saved_for_backward(model) -> list[str]:
