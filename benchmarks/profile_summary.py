@@ -37,8 +37,8 @@ KINDS = (("collectives", COLLECTIVE_KEYS), ("wkv kernels", ("wkv7_",)),
          ("other fusions", ("fusion",)))
 
 
-def _device_events(directory: str, with_names: bool = False):
-    """Complete events of the device processes; with `with_names` also `{pid: process name}`."""
+def _device_trace(directory: str) -> tuple[list[dict], dict]:
+    """Complete events of the device processes, and `{pid: process name}` of those processes."""
     path = _newest_trace(directory)
     events: list = []
     if path is not None:
@@ -50,7 +50,11 @@ def _device_events(directory: str, with_names: bool = False):
                and any(k in str((e.get("args") or {}).get("name", ""))
                        for k in ("/device:GPU", "/device:TPU"))}
     kept = [e for e in events if e.get("ph") == "X" and e.get("pid") in devices and "dur" in e]
-    return (kept, devices) if with_names else kept
+    return kept, devices
+
+
+def _device_events(directory: str) -> list[dict]:
+    return _device_trace(directory)[0]
 
 
 def _ranked(total_us: dict, calls: dict, n: int | None) -> list[dict]:
@@ -168,7 +172,7 @@ def communication(directory: str) -> list[dict]:
     start to last kernel end), `busy` (any kernel running), `collective` (any collective
     running), `exposed_collective` (a collective running and no compute kernel), `idle`
     (span - busy). Exposed collective time is what overlapping communication could still win."""
-    events, devices = _device_events(directory, with_names=True)
+    events, devices = _device_trace(directory)
     rows = []
     for pid, name in sorted(devices.items(), key=lambda kv: kv[1]):
         mine = [e for e in events if e["pid"] == pid]
