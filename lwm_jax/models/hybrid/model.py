@@ -39,6 +39,7 @@ import numpy as np
 from flax import nnx
 
 from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.hybrid.config import HybridConfig
@@ -171,7 +172,7 @@ class RWKVHybrid(nnx.Module):
             raise ValueError("RWKVHybrid: a probe needs a model built with remat=False")
         c, policy, rt = self.cfg, self.policy, self.runtime
         tap = probe or (lambda name, x: None)
-        x = jnp.take(self.emb[...], tokens_BT, axis=0)
+        x = embedding_lookup(self.emb[...], tokens_BT, self.mesh)
         tap("emb", x)
         x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...], out_dtype=policy.compute_dtype)
         tap("ln0", x)

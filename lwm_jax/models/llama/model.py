@@ -37,9 +37,9 @@ Precision: parameters in `policy.param_dtype`; residual stream and projections i
 float32 operands) in float32; logits cast to `policy.output_dtype` (float32 in every preset).
 
 Runtime: `remat`, `remat_policy` ("save_dots" keeps the outputs of the weight matmuls) and
-`scan_layers` as for RWKV-7; `wkv_impl` and `chunk_size` do not apply. `mesh` is accepted for
-the trainer's sake; attention has no sequence-parallel form here (a `sequence` mesh axis is
-handled by XLA's sharding propagation).
+`scan_layers` as for RWKV-7; `wkv_impl` and `chunk_size` do not apply. `mesh` only picks how the
+embedding's gradient is reduced; attention has no sequence-parallel form here (a `sequence`
+mesh axis is handled by XLA's sharding propagation).
 """
 from __future__ import annotations
 
@@ -53,6 +53,7 @@ from flax import nnx
 
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.attention import KVCache, empty_cache
+from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.inputs import checked_inputs
@@ -69,7 +70,8 @@ class Llama(nnx.Module):
       cfg: `LlamaConfig` (`self.cfg` holds the resolved copy: head_dim, ffn_hidden filled).
       policy: `Policy` or a `parse_policy` string.
       runtime: `Runtime` (remat, remat_policy, scan_layers); None = defaults.
-      mesh: accepted and unused (see the module docstring).
+      mesh: the device mesh, or None; only the embedding's gradient reduction reads it
+        (`lwm_jax.layers.embedding`).
       rngs: `nnx.Rngs`; the `params` stream seeds the init.
     """
 
@@ -80,7 +82,7 @@ class Llama(nnx.Module):
         if runtime is not None and not isinstance(runtime, Runtime):
             raise TypeError(f"Llama: runtime must be a lwm_jax.runtime.Runtime, got "
                             f"{type(runtime).__name__}")
-        del mesh
+        self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
@@ -170,7 +172,8 @@ class Llama(nnx.Module):
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.head_dim, c.rope_theta,
                                                            c.rope_scaling))
         tap = probe or (lambda name, x: None)
-        x = jnp.take(self.embed[...], tokens_BT, axis=0).astype(self.policy.compute_dtype)
+        x = embedding_lookup(self.embed[...], tokens_BT, self.mesh).astype(
+            self.policy.compute_dtype)
         tap("emb", x)
         params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
         seg = None if segment_ids is None else jnp.asarray(segment_ids)

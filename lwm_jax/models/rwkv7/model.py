@@ -56,6 +56,7 @@ from lwm_jax.ops.wkv7.contract import OUTPUT_NAME, RESIDUALS_NAME
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
+from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
 from lwm_jax.runtime import Runtime
@@ -181,7 +182,7 @@ class RWKV7(nnx.Module):
         tap = probe or (lambda name, x: None)
         # out-of-range token ids give NaN embeddings (jnp.take's "fill" mode), hence NaN logits
         with jax.named_scope("embed"):
-            x = jnp.take(self.emb[...], tokens_BT, axis=0)
+            x = embedding_lookup(self.emb[...], tokens_BT, self.mesh)
             tap("emb", x)
             x = layer_norm(x, self.ln0.weight[...], self.ln0.bias[...],
                            out_dtype=self.policy.compute_dtype)
