@@ -1,13 +1,15 @@
 """Top device ops of a `jax.profiler.trace(..., create_perfetto_trace=True)` directory.
 
-    python benchmarks/profile_summary.py $OUT/prof/0.1b-bf16-mixed [--n 25] [--json F]
+    python benchmarks/profile_summary.py $OUT/prof/0.1b-bf16-mixed [--n 25] [--json F] [--against DIR]
 
 Reads the newest `perfetto_trace.json.gz` under the directory, keeps the complete events of the
 accelerator processes (`/device:GPU:*`, `/device:TPU:*`: one event per kernel launch), and sums
 their durations by kernel name, by kind (WKV kernels, GEMMs, other XLA fusions, copies) and by
 the model's `jax.named_scope` (the innermost of `SCOPES` found in the event's HLO op metadata;
 backward ops keep their forward scope inside `transpose(...)`); per device, how much collective
-(NCCL) time no compute kernel overlaps (`communication`). Needs nothing beyond the
+(NCCL) time no compute kernel overlaps (`communication`) and which collectives that time
+belongs to (`exposed_collectives`); with `--against DIR`, the op paths whose per-device time
+grew most from DIR's trace (`compare`: e.g. a 2-GPU step against the 1-GPU one). Needs nothing beyond the
 standard library, so it runs where the trace was taken.
 """
 from __future__ import annotations
@@ -192,6 +194,71 @@ def communication(directory: str) -> list[dict]:
     return rows
 
 
+def _subtract(xs, ys) -> list[tuple[float, float]]:
+    """Parts of the merged intervals `xs` that the merged intervals `ys` do not cover."""
+    out, j = [], 0
+    for lo, hi in xs:
+        while j < len(ys) and ys[j][1] <= lo:
+            j += 1
+        k, cur = j, lo
+        while k < len(ys) and ys[k][0] < hi:
+            if ys[k][0] > cur:
+                out.append((cur, ys[k][0]))
+            cur = max(cur, ys[k][1])
+            k += 1
+        if cur < hi:
+            out.append((cur, hi))
+    return out
+
+
+def exposed_collectives(directory: str, n: int | None = 10) -> list[dict]:
+    """The collectives whose time no compute kernel overlaps, on the first device, most exposed
+    first: `[{"name", "ms", "calls", "pct"}]` (name: the collective's HLO op path, or its
+    kernel name; ms over the whole trace; pct of all exposed time). Says which gradient's
+    reduction to move or shrink."""
+    events, devices = _device_trace(directory)
+    if not devices:
+        return []
+    first = min(devices, key=lambda pid: devices[pid])
+    mine = [e for e in events if e["pid"] == first]
+    names = op_names(directory)
+    is_coll = lambda e: any(k in e["name"].lower() for k in COLLECTIVE_KEYS)  # noqa: E731
+    comp = _union([(float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+                   for e in mine if not is_coll(e)])
+    total_us: dict[str, float] = collections.defaultdict(float)
+    calls: dict[str, int] = collections.defaultdict(int)
+    for e in mine:
+        if is_coll(e):
+            start = float(e["ts"])
+            bare = _subtract([(start, start + float(e["dur"]))], comp)
+            hlo = str((e.get("args") or {}).get("hlo_op", ""))
+            path = _op_path(e, names) if hlo in names else ""
+            key = f"{hlo} {path}".strip() if hlo else e["name"]
+            total_us[key] += _length(bare)
+            calls[key] += 1
+    return _ranked(total_us, calls, n)
+
+
+def compare(directory: str, against: str, n: int = 25) -> list[dict]:
+    """Per-device time by jax op path in `directory` minus that in `against` (e.g. the 2-GPU
+    step against the 1-GPU one), largest growth first: `[{"name", "ms", "ms_against"}]`.
+    Both traces should cover the same number of steps; each total is divided by the number
+    of devices with kernels in its trace. Op paths, unlike fusion names, match across
+    programs."""
+    def per_device(d):
+        events = _device_events(d)
+        names = op_names(d)
+        n_devices = max(len({e["pid"] for e in events}), 1)     # devices with kernels
+        totals: dict[str, float] = collections.defaultdict(float)
+        for e in events:
+            totals[_op_path(e, names)] += float(e["dur"]) / n_devices
+        return totals
+    mine, theirs = per_device(directory), per_device(against)
+    keys = sorted(set(mine) | set(theirs), key=lambda k: -(mine.get(k, 0) - theirs.get(k, 0)))
+    return [{"name": k[:120], "ms": round(mine.get(k, 0) / 1e3, 3),
+             "ms_against": round(theirs.get(k, 0) / 1e3, 3)} for k in keys[:n]]
+
+
 def summary(directory: str, n: int = 40) -> dict:
     """Top `n` kernels, time by kind, by named scope and (with `HLO_FILE`) by jax op path,
     and three sample events' metadata."""
@@ -202,6 +269,7 @@ def summary(directory: str, n: int = 40) -> dict:
             "by_scope": top_ops(directory, None, lambda e: _scope(e, names)),
             "by_op": top_ops(directory, n, lambda e: _op_path(e, names)) if names else [],
             "communication": communication(directory),
+            "exposed_collectives": exposed_collectives(directory, n),
             "sample_args": [e.get("args") for e in events[:3]]}
 
 
@@ -210,15 +278,23 @@ def main() -> None:
     ap.add_argument("directory")
     ap.add_argument("--n", type=int, default=25)
     ap.add_argument("--json", default=None, help="also write the full summary here")
+    ap.add_argument("--against", default=None, metavar="DIR",
+                    help="also list the op paths whose per-device time grew most from DIR's "
+                         "trace to this one")
     args = ap.parse_args()
     result = summary(args.directory, args.n)
-    for title in ("top", "by_kind", "by_scope", "by_op"):
+    for title in ("top", "by_kind", "by_scope", "by_op", "exposed_collectives"):
         print(f"-- {title}")
         for row in result[title]:
             print(f"{row['ms']:10.3f} ms {row['pct']:5.1f}% {row['calls']:6d}x  {row['name']}")
     print("-- communication (ms over the trace)")
     for row in result["communication"]:
         print(json.dumps(row))
+    if args.against:
+        print(f"-- per device, this trace minus {args.against} (ms)")
+        for row in compare(args.directory, args.against, args.n):
+            print(f"{row['ms'] - row['ms_against']:+10.3f} ms {row['ms']:10.3f} "
+                  f"{row['ms_against']:10.3f}  {row['name']}")
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(result, f, indent=1)

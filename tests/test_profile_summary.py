@@ -21,11 +21,11 @@ def ps():
 
 
 def _write_trace(directory, kernels):
-    """`kernels`: (pid, name, start_us, dur_us); pids 1, 2 are GPUs, 9 is the host."""
+    """`kernels`: (pid, name, start_us, dur_us[, hlo_op]); pids 1, 2 are GPUs, 9 is the host."""
     meta = [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}}
             for pid, name in ((1, "/device:GPU:0"), (2, "/device:GPU:1"), (9, "/host:CPU"))]
-    events = meta + [{"ph": "X", "pid": pid, "tid": 0, "name": name, "ts": ts, "dur": dur}
-                     for pid, name, ts, dur in kernels]
+    events = meta + [{"ph": "X", "pid": k[0], "tid": 0, "name": k[1], "ts": k[2], "dur": k[3],
+                      "args": {"hlo_op": k[4]} if len(k) > 4 else {}} for k in kernels]
     path = os.path.join(directory, "plugins", "profile", "run", "perfetto_trace.json.gz")
     os.makedirs(os.path.dirname(path))
     with gzip.open(path, "wt", encoding="utf-8") as f:
@@ -56,3 +56,37 @@ def test_exposed_collective_time_is_the_part_no_compute_kernel_overlaps(ps, tmp_
 
 def test_a_directory_without_a_trace_has_no_rows(ps, tmp_path):
     assert ps.communication(str(tmp_path)) == []
+
+
+def test_exposed_time_is_told_per_collective_and_growth_per_op(ps, tmp_path):
+    two, one = tmp_path / "two", tmp_path / "one"
+    nccl = "ncclDevKernel_AllReduce_Sum_f32_RING_LL"
+    _write_trace(str(two), [
+        # GPU 0: the head's all-reduce sits half under a gemm (exposed 40 us), the embedding's
+        # after everything (exposed 60 us); GPU 1 is ignored (first device only)
+        (1, "gemm_a", 0, 100, "dot.1"), (1, nccl, 60, 80, "all-reduce-start.7"),
+        (1, "fusion_b", 140, 30, "fusion.2"), (1, nccl, 170, 60, "all-reduce-start.6"),
+        (2, nccl, 0, 500, "all-reduce-start.7"),
+    ])
+    with open(two / "step.hlo.txt", "w", encoding="utf-8") as f:
+        f.write('ENTRY %main (p: f32[]) -> f32[] {\n'
+                '  %dot.1 = f32[] dot(), metadata={op_name="jit(step)/head/dot_general"}\n'
+                '  %fusion.2 = f32[] fusion(), metadata={op_name="jit(step)/embed/scatter"}\n'
+                '}\n')
+    rows = {r["name"]: r for r in ps.exposed_collectives(str(two))}
+    assert rows["all-reduce-start.6"]["ms"] == pytest.approx(0.06)
+    assert rows["all-reduce-start.7"]["ms"] == pytest.approx(0.04)
+    assert list(rows) == ["all-reduce-start.6", "all-reduce-start.7"]
+    # the same ops on one device, the embedding's scatter 10 us faster
+    _write_trace(str(one), [(1, "gemm_x", 0, 100, "dot.9"), (1, "fusion_y", 100, 20, "fusion.8")])
+    with open(one / "step.hlo.txt", "w", encoding="utf-8") as f:
+        f.write('ENTRY %main (p: f32[]) -> f32[] {\n'
+                '  %dot.9 = f32[] dot(), metadata={op_name="jit(step)/head/dot_general"}\n'
+                '  %fusion.8 = f32[] fusion(), metadata={op_name="jit(step)/embed/scatter"}\n'
+                '}\n')
+    grown = ps.compare(str(two), str(one))
+    by_name = {r["name"]: (r["ms"], r["ms_against"]) for r in grown}
+    # per device: the two-GPU trace's totals are halved (two device processes)
+    assert by_name["embed/scatter"] == (pytest.approx(0.015), pytest.approx(0.02))
+    assert by_name["head/dot_general"] == (pytest.approx(0.05), pytest.approx(0.1))
+    assert grown[0]["name"] == nccl
