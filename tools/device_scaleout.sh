@@ -7,6 +7,11 @@
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
 #   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
 #   bash tools/device_scaleout.sh overlap    # 1.5B data parallel, and with XLA's overlap flags (2, 3)
+#   bash tools/device_scaleout.sh flags      # 1.5B on two GPUs: collective overlap limit, NCCL channels/protocol
+#   bash tools/device_scaleout.sh dpov       # after dp, same call: 1.5B on two GPUs with the overlap flags
+#   bash tools/device_scaleout.sh cta        # 1.5B on two GPUs: NCCL_CTA_POLICY 1 / 2, NCCL user buffers
+#   bash tools/device_scaleout.sh combine    # 1.5B on two GPUs: all-reduce combine thresholds
+#   bash tools/device_scaleout.sh dpbest [MODEL] # 1 and 2 GPUs with the kept flags (both models)
 #   bash tools/device_scaleout.sh dpprof     # profiles of the 1.5B step on 1 and 2 GPUs (exposed NCCL)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #
@@ -43,6 +48,11 @@ case_() {   # case_ TIMEOUT GPUS MODEL train_step.py-args...: the case's own pro
 mib=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
 if [ "${mib:-0}" -ge 100000 ]; then big_c=4096; else big_c=3072; fi   # H200 : H100
 BIG="model.n_layer=32 model.n_embd=$big_c runtime.remat=true runtime.scan_layers=true"
+# XLA flag sets of the 1.5B data-parallel sweeps (docs/distributed.md says what each does)
+OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
+LIM="--xla_gpu_experimental_parallel_collective_overlap_limit=2"
+BEST="$OV $LIM --xla_gpu_all_reduce_combine_threshold_bytes=4194304"     # kept (session 14)
+two15() { case_ 150 0,1 1.5b --steps 8 --set train.batch_size=4 mesh.data=2; }   # 1.5B, 2 GPUs
 # Time per case on a fresh H100 (2026-11-25): 1.5B init 6-9 s (63 s before the QRs ran one
 # matrix at a time), compile 29-40 s; 4.1B over two GPUs init 10 s, compile 32 s; the 1.5B
 # step without layer scan compiles in 111-123 s. One part per call keeps each call < 10 minutes.
@@ -57,21 +67,51 @@ if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
     case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   fi
 elif [ "$part" = overlap ]; then   # same call: 1 GPU, 2 GPUs, 2 GPUs with the flags
-  OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
   OV3="$OV --xla_gpu_enable_while_loop_double_buffering=true"
   case_ 150 0   1.5b --steps 6
   case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   XLA_FLAGS="$OV" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   XLA_FLAGS="$OV3" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
+elif [ "$part" = flags ]; then     # same call: what the exposed collectives and NCCL's SMs cost
+  case_ 150 0   1.5b --steps 8
+  NCCL_DEBUG=INFO XLA_FLAGS="$OV" two15
+  grep -h "NCCL version\|nChannels\|channels" "$OUT/case.log" | sort | uniq -c | head -5 | cut -c1-200
+  XLA_FLAGS="$OV $LIM" two15
+  NCCL_MAX_NCHANNELS=8 XLA_FLAGS="$OV $LIM" two15
+  NCCL_PROTO=Simple XLA_FLAGS="$OV $LIM" two15
+elif [ "$part" = dpov ]; then      # after `dp` in the same call: 1.5B on two GPUs, overlap flags
+  XLA_FLAGS="$OV $LIM" two15
+elif [ "$part" = cta ]; then       # same call: NCCL's CTA policy (fewer SMs taken from compute)
+  UB="--xla_gpu_enable_nccl_user_buffers=true"
+  case_ 150 0 1.5b --steps 8
+  XLA_FLAGS="$OV $LIM" two15
+  NCCL_CTA_POLICY=1 XLA_FLAGS="$OV $LIM" two15
+  NCCL_CTA_POLICY=1 XLA_FLAGS="$OV $LIM $UB" two15
+  NCCL_CTA_POLICY=2 XLA_FLAGS="$OV $LIM $UB" two15
+elif [ "$part" = combine ]; then   # same call: all-reduce combining (a 16 MiB matrix was copied
+  # into one buffer with an 8 KiB vector before each reduction); thresholds in bytes
+  case_ 150 0 1.5b --steps 8
+  XLA_FLAGS="$OV $LIM" two15
+  XLA_FLAGS="$OV $LIM --xla_gpu_all_reduce_combine_threshold_bytes=1048576" two15
+  XLA_FLAGS="$OV $LIM --xla_gpu_all_reduce_combine_threshold_bytes=4194304" two15
+elif [ "$part" = dpbest ]; then    # same call: 1 GPU and 2 GPUs with the kept flags, BEST
+  if [ "${2:-1.5b}" = 1.5b ]; then     # `dpbest 1.5b` or `dpbest 0.1b`: one model; none: both
+    case_ 150 0   1.5b --steps 8
+    XLA_FLAGS="$BEST" two15
+  fi
+  if [ "${2:-0.1b}" = 0.1b ]; then
+    case_ 150 0   0.1b --steps 8
+    XLA_FLAGS="$BEST" case_ 150 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
+  fi
 elif [ "$part" = dpprof ]; then   # where the two-GPU 1.5B step loses time: profiles of both
-  OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
   NOCB="--xla_gpu_enable_command_buffer="     # kernels named by HLO op in the trace
   XLA_FLAGS="$NOCB" case_ 150 0 1.5b --steps 5 --profile "$OUT/prof1"
-  XLA_FLAGS="$OV $NOCB" case_ 150 0,1 1.5b --steps 5 --profile "$OUT/prof2" \
+  XLA_FLAGS="$OV $LIM $NOCB" case_ 150 0,1 1.5b --steps 5 --profile "$OUT/prof2" \
     --set train.batch_size=4 mesh.data=2
-  for d in prof1 prof2; do
-    echo "== $d"; python3 benchmarks/profile_summary.py "$OUT/$d" --n 12 | cut -c1-200
-  done
+  python3 benchmarks/profile_summary.py "$OUT/prof1" --n 30 > "$OUT/prof1.txt"
+  python3 benchmarks/profile_summary.py "$OUT/prof2" --n 30 --against "$OUT/prof1" \
+    > "$OUT/prof2.txt"
+  sed -n '/^-- by_kind/,/^-- by_scope/p;/^-- communication/,$p' "$OUT/prof2.txt" | cut -c1-200
 elif [ "$part" = init ]; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python3 benchmarks/init_time.py --model 1.5b --qr \
     --profile "$OUT/init_prof" --out "$OUT/init.jsonl" 2>&1 | grep '^STAGE\|^{' | cut -c1-3000
