@@ -39,7 +39,8 @@ import jax
 from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning
 
-__all__ = ["wkv7_pallas", "wkv7_gpu", "Tuning", "PRECISIONS"]
+__all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu", "Tuning",
+           "PRECISIONS"]
 
 
 def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=None,
@@ -64,3 +65,26 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
         interpret = backend not in ("gpu", "cuda", "rocm")
     return wkv7_gpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
                     precision=precision, interpret=interpret, tuning=tuning)
+
+
+def pallas_pair_applies(value_width: int, interpret: bool | None = None) -> bool:
+    """Whether `wkv7_pallas_pair` runs here: the GPU kernels (or their interpreter off TPU)
+    with value width <= 64. On TPU sequence parallelism runs its two passes as two calls."""
+    from lwm_jax.ops.wkv7.pallas_gpu.op import MAX_V
+    on_tpu = jax.default_backend() == "tpu" and not interpret
+    return not on_tpu and value_width <= MAX_V
+
+
+def wkv7_pallas_pair(r, w, k, v, a, b, initial_state, identity_state, segment_ids=None,
+                     chunk_size=None, output_dtype=None, *, precision=None, interpret=None,
+                     tuning=None):
+    """Sequence parallelism's value and identity passes sharing one set of chunk factors
+    (`pallas_gpu/pair.py`): `(o, final_state, q, M_end)`. Only where `pallas_pair_applies`."""
+    from lwm_jax.ops.wkv7.pallas_gpu.pair import wkv7_gpu_pair
+    if not pallas_pair_applies(v.shape[-1], interpret):
+        raise ValueError("wkv7_pallas_pair: needs the GPU kernels (not TPU) and V <= 64")
+    if interpret is None:
+        interpret = jax.default_backend() not in ("gpu", "cuda", "rocm")
+    return wkv7_gpu_pair(r, w, k, v, a, b, initial_state, identity_state, segment_ids,
+                         32 if chunk_size is None else chunk_size, output_dtype,
+                         precision=precision, interpret=interpret, tuning=tuning)

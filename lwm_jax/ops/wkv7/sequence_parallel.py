@@ -16,7 +16,8 @@ start to t. A document reset inside the slice makes `Phi` zero from there on. So
    slice token starts a new document: that slice ignores everything before it). On the pure-JAX
    implementations both runs are one call with v and the identity concatenated along the value
    axis (`[v | 0]`, initial state `[0 | I]`), so the intra-chunk decays and triangular solve,
-   which depend only on r, w, k, a, b, are computed once;
+   which depend only on r, w, k, a, b, are computed once; the Pallas GPU kernels get the same
+   sharing from one custom_vjp (`pallas_gpu/pair.py`: one `intra_fwd`, two sequential passes);
 3. all devices all-gather every slice's `(M, D)` along `axis` and compose the prefix
    `X_0 = initial_state`, `X_{d+1} = M_d X_d + D_d`;
 4. device d corrects its outputs with its `X_d`; the global final state is `X_n`.
@@ -51,6 +52,13 @@ def _shard_map(f, *, mesh, in_specs, out_specs, check_vma):
                              check_vma=check_vma)
     from jax.experimental.shard_map import shard_map  # pragma: no cover - old jax only
     return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
+
+
+def _pallas_pair(value_width: int):
+    """`wkv7_pallas_pair` where it applies (GPU kernels, or their CPU interpreter; V <= 64),
+    else None."""
+    from lwm_jax.ops.wkv7.pallas import pallas_pair_applies, wkv7_pallas_pair
+    return wkv7_pallas_pair if pallas_pair_applies(value_width) else None
 
 
 def _axis_size(axis: str) -> int:
@@ -193,6 +201,7 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     K, V = r.shape[-1], v.shape[-1]
     Bl, _, Hl, _ = r.shape
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
+    pair = fuse is None and _resolve_impl(impl) == "pallas" and _pallas_pair(V) is not None
     if fuse is None:
         fuse = _resolve_impl(impl) != "pallas"
     mm_precision = jax.lax.Precision(xla_precision(precision))
@@ -217,7 +226,10 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     eye = _vary_like(eye, r, w, k, v, a, b)
     zero_state = _vary_like(jnp.zeros((Bl, Hl, K, V), jnp.float32), r, w, k, v, a, b)
     zeros_v = jnp.zeros((*r.shape[:3], K), v.dtype)
-    if fuse:   # one call: value columns [v | 0], start state [0 | I]
+    if pair:   # the Pallas GPU kernels: one intra-chunk pass serves both (pallas_gpu/pair.py)
+        o_loc, D, q, M = _pallas_pair(V)(r, w, k, v, a, b, zero_state, eye, segment_ids,
+                                         chunk_size, jnp.float32, precision=precision)
+    elif fuse:   # one call: value columns [v | 0], start state [0 | I]
         o_cat, s_cat = wkv7(r, w, k, jnp.concatenate([v, zeros_v], axis=-1), a, b,
                             initial_state=jnp.concatenate([zero_state, eye], axis=-1),
                             segment_ids=segment_ids, **op_kwargs)
@@ -281,7 +293,9 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
         `lwm_jax.train.sharding.activation_spec`); B must be divisible by their product.
       head_axis: optional mesh axis splitting H (e.g. "tensor"); the op is independent per head.
       fuse: run the local and identity passes as one call with `[v | 0]` (value width V + K).
-        None: fuse unless the chosen implementation is "pallas" (whose kernel constrains V).
+        None: fuse unless the chosen implementation is "pallas"; with the Pallas GPU kernels
+        (V <= 64) the two passes then share one intra-chunk launch and its saved factors
+        (`pallas_gpu/pair.py`); on TPU they are two calls. False: two calls everywhere.
 
     Returns:
       `o [B, T, H, V]` in output_dtype, or `(o, final_state [B, H, K, V] float32)`.

@@ -101,6 +101,35 @@ def validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dt
         raise TypeError(f"output_dtype must be float32, bfloat16 or float16, got {output_dtype}")
 
 
+def prepare(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype, precision,
+            interpret, tuning):
+    """What every GPU entry point does after `validate`: T padded to a multiple of the chunk C
+    (padded steps: w = 0, everything else 0, leave the state unchanged), the float32 start
+    state, the per-chunk reset counter and the launch config. Returns `((r, w, k, v, a, b)
+    padded to [B, Tp, H, *], s0 [B, H, K, V] float32, n or None, _Cfg)`."""
+    if precision is None:
+        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+    B, T, H, K = r.shape
+    V = v.shape[-1]
+    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
+    C = min(chunk_size, max(16, 1 << (T - 1).bit_length()))
+    T_pad = -(-T // C) * C
+    if T_pad != T:
+        pad = lambda x: jnp.pad(x, ((0, 0), (0, T_pad - T), (0, 0), (0, 0)))  # noqa: E731
+        r, w, k, v, a, b = (pad(x) for x in (r, w, k, v, a, b))
+    if initial_state is None:
+        s0 = jnp.zeros((B, H, K, V), jnp.float32)
+    else:
+        s0 = initial_state.astype(jnp.float32)
+    n = None if segment_ids is None else chunk_reset_counter(segment_ids, T_pad, C)
+    prec = PRECISIONS["highest" if interpret and precision == "tf32x3" else precision]
+    cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype,
+               tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret))
+    return (r, w, k, v, a, b), s0, n, cfg
+
+
 def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=32,
              output_dtype=None, *, precision=None, interpret=False, tuning=None):
     """WKV7 forward (and, through `jax.custom_vjp`, backward) with Pallas-Triton kernels.
@@ -129,26 +158,10 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
       `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
     """
     validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype)
-    if precision is None:
-        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
-    B, T, H, K = r.shape
-    V = v.shape[-1]
-    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
-    C = min(chunk_size, max(16, 1 << (T - 1).bit_length()))
-    T_pad = -(-T // C) * C
-    if T_pad != T:  # padded steps (w = 0, everything else 0) leave the state unchanged
-        pad = lambda x: jnp.pad(x, ((0, 0), (0, T_pad - T), (0, 0), (0, 0)))
-        r, w, k, v, a, b = (pad(x) for x in (r, w, k, v, a, b))
-    if initial_state is None:
-        s0 = jnp.zeros((B, H, K, V), jnp.float32)
-    else:
-        s0 = initial_state.astype(jnp.float32)
-    n = None if segment_ids is None else chunk_reset_counter(segment_ids, T_pad, C)
-    prec = PRECISIONS["highest" if interpret and precision == "tf32x3" else precision]
-    cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype,
-               tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret))
+    T, V = r.shape[1], v.shape[-1]
+    (r, w, k, v, a, b), s0, n, cfg = prepare(r, w, k, v, a, b, initial_state, segment_ids,
+                                             chunk_size, output_dtype, precision, interpret,
+                                             tuning)
     if V <= MAX_V:
         o, sT = _core(r, w, k, v, a, b, s0, n, cfg)
     else:  # value columns evolve independently: run blocks of MAX_V columns and concatenate
@@ -156,6 +169,6 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
                  for j in range(0, V, MAX_V)]
         o = jnp.concatenate([p[0] for p in parts], axis=-1)
         sT = jnp.concatenate([p[1] for p in parts], axis=-1)
-    if T_pad != T:
+    if r.shape[1] != T:
         o = o[:, :T]
     return o, sT
