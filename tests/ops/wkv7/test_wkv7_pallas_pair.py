@@ -12,7 +12,7 @@ from lwm_jax.ops.wkv7.pallas_gpu.op import wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_gpu.pair import wkv7_gpu_pair
 from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 
-B, T, H, K = 2, 40, 2, 16          # T = 40: padded to whole chunks of 16
+B, T, H, K = 2, 24, 2, 16          # T = 24: padded to two whole chunks of 16
 KW = dict(chunk_size=16, interpret=True, precision="highest", output_dtype=jnp.float32)
 
 
@@ -22,8 +22,8 @@ def _setup(V, with_segments):
     eye = jnp.broadcast_to(jnp.eye(K), (B, H, K, K))
     seg = None
     if with_segments:   # row 0 one document (its M_end is not zero); row 1 resets on a chunk
-        seg = np.zeros((B, T), np.int32)     # edge (16) and inside a chunk (30)
-        seg[1, 16:], seg[1, 30:] = 1, 2
+        seg = np.zeros((B, T), np.int32)     # edge (16) and inside a chunk (20)
+        seg[1, 16:], seg[1, 20:] = 1, 2
         seg = jnp.asarray(seg)
     else:   # row 1's slice starts a new document: its identity pass starts from zeros
         eye = eye * jnp.array([1.0, 0.0])[:, None, None, None]

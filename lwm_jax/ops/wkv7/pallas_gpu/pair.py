@@ -44,6 +44,7 @@ def _identity_pass(M, Q, eye, cfg_q, want_states):
 
 
 def _value_pass(M, D, Q, O0, s0, cfg, want_states):
+    """`seq_fwd` over (M, D, Q, O0) from `s0` `[B, H, K, V]`: `(o, final_state[, states])`."""
     o, sT, *states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
                                       want_states=want_states, **_kw(cfg))
     if o is None:
