@@ -89,3 +89,23 @@ def test_pair_errors_are_one_line():
     r, w, k, v, a, b = random_wkv7_inputs(0, B, T, H, K, 128)
     with pytest.raises(ValueError, match="V = 128 exceeds 64"):
         wkv7_gpu_pair(r, w, k, v, a, b, None, eye, None, **KW)
+
+
+def test_pair_saves_the_chunk_factors_once():
+    """What the pair keeps for its backward: the inputs, M, Q and the triangular inverse once,
+    and each pass's chunk-start states; two kernel calls keep M, Q and the inverse twice."""
+    from lwm_jax.ops.wkv7.pallas_gpu import op, pair
+    V = 32
+    xs, s0, eye, seg, _ = _setup(V, True)
+    padded, s0p, n, cfg = op.prepare(*xs, s0, seg, KW["chunk_size"], KW["output_dtype"],
+                                     KW["precision"], True, None)
+    cfg_q = cfg._replace(out_dtype=jnp.dtype(jnp.float32))
+    _, res = pair._pair_fwd(*padded, s0p, eye, n, cfg, cfg_q)
+    derived = res[7:]                                # after r, w, k, v, a, b, n
+    BH, NT, C = B * H, padded[0].shape[1] // cfg.C, cfg.C
+    assert [tuple(x.shape) for x in derived] == [
+        (BH, NT, K, K), (BH, NT, C, K), (BH, NT, C, C),     # M, Q, inverse: once
+        (BH, NT, K, V), (BH, NT, K, K)]                      # start states of each pass
+    _, res_one = op._core_fwd(*padded, s0p, n, cfg)
+    assert [tuple(x.shape) for x in res_one[7:]] == [
+        (BH, NT, K, K), (BH, NT, C, K), (BH, NT, C, C), (BH, NT, K, V)]
