@@ -154,20 +154,6 @@ def _length(intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _overlap(xs, ys) -> float:
-    """Total length of the intersection of two merged interval lists."""
-    i = j = 0
-    total = 0.0
-    while i < len(xs) and j < len(ys):
-        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0.0, hi - lo)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def communication(directory: str) -> list[dict]:
     """Per device: how much of its collective kernels' time (NCCL, all-reduce, ...) no other
     kernel of the same device overlaps. Fields (ms over the whole trace): `span` (first kernel
@@ -189,7 +175,7 @@ def communication(directory: str) -> list[dict]:
         ms = lambda us: round(us / 1e3, 3)  # noqa: E731
         rows.append({"device": name, "span": ms(span), "busy": ms(_length(busy)),
                      "collective": ms(_length(coll)),
-                     "exposed_collective": ms(_length(coll) - _overlap(coll, comp)),
+                     "exposed_collective": ms(_length(_subtract(coll, comp))),
                      "idle": ms(span - _length(busy))})
     return rows
 

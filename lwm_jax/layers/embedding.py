@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 GATHER_SCOPE = "embedding_grad_gather"    # names the backward's gathers in HLO metadata
+# the activations' layout, as `lwm_jax.train.sharding.activation_spec` states it (layers cannot
+# import train: the packages would import each other)
 _BATCH_AXES, _SEQUENCE_AXIS = ("data", "fsdp"), "sequence"
 
 

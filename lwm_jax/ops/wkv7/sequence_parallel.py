@@ -201,7 +201,7 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     K, V = r.shape[-1], v.shape[-1]
     Bl, _, Hl, _ = r.shape
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
-    pair = fuse is None and _resolve_impl(impl) == "pallas" and _pallas_pair(V) is not None
+    pair_op = _pallas_pair(V) if fuse is None and _resolve_impl(impl) == "pallas" else None
     if fuse is None:
         fuse = _resolve_impl(impl) != "pallas"
     mm_precision = jax.lax.Precision(xla_precision(precision))
@@ -226,9 +226,9 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     eye = _vary_like(eye, r, w, k, v, a, b)
     zero_state = _vary_like(jnp.zeros((Bl, Hl, K, V), jnp.float32), r, w, k, v, a, b)
     zeros_v = jnp.zeros((*r.shape[:3], K), v.dtype)
-    if pair:   # the Pallas GPU kernels: one intra-chunk pass serves both (pallas_gpu/pair.py)
-        o_loc, D, q, M = _pallas_pair(V)(r, w, k, v, a, b, zero_state, eye, segment_ids,
-                                         chunk_size, jnp.float32, precision=precision)
+    if pair_op is not None:   # Pallas GPU kernels: one intra-chunk pass serves both passes
+        o_loc, D, q, M = pair_op(r, w, k, v, a, b, zero_state, eye, segment_ids, chunk_size,
+                                 jnp.float32, precision=precision)      # (pallas_gpu/pair.py)
     elif fuse:   # one call: value columns [v | 0], start state [0 | I]
         o_cat, s_cat = wkv7(r, w, k, jnp.concatenate([v, zeros_v], axis=-1), a, b,
                             initial_state=jnp.concatenate([zero_state, eye], axis=-1),
