@@ -5,13 +5,14 @@
 #   bash tools/device_scaleout.sh dp [MODEL] # data parallel, 0.1B and/or 1.5B (rows in $OUT/scaleout.jsonl)
 #   bash tools/device_scaleout.sh fsdp       # FSDP of a model one GPU cannot hold (+ 1M tokens on H200s)
 #   bash tools/device_scaleout.sh longest    # the longest 0.1B context two GPUs train (sequence=2)
-#   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (no run)
+#   bash tools/device_scaleout.sh longest1   # the longest 0.1B context one GPU plans (H200: and trains)
 #   bash tools/device_scaleout.sh overlap    # 1.5B data parallel, and with XLA's overlap flags (2, 3)
 #   bash tools/device_scaleout.sh flags      # 1.5B on two GPUs: collective overlap limit, NCCL channels/protocol
 #   bash tools/device_scaleout.sh dpov       # after dp, same call: 1.5B on two GPUs with the overlap flags
 #   bash tools/device_scaleout.sh cta        # 1.5B on two GPUs: NCCL_CTA_POLICY 1 / 2, NCCL user buffers
 #   bash tools/device_scaleout.sh combine    # 1.5B on two GPUs: all-reduce combine thresholds
 #   bash tools/device_scaleout.sh dpbest [MODEL] # 1 and 2 GPUs with the kept flags (both models)
+#   bash tools/device_scaleout.sh dpbig      # 1.5B at 4 x 4096 per GPU: 1, 2 (kept flags), 2 (none), 1
 #   bash tools/device_scaleout.sh dpprof     # profiles of the 1.5B step on 1 and 2 GPUs (exposed NCCL)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #
@@ -103,6 +104,11 @@ elif [ "$part" = dpbest ]; then    # same call: 1 GPU and 2 GPUs with the kept f
     case_ 150 0   0.1b --steps 8
     XLA_FLAGS="$BEST" case_ 150 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
   fi
+elif [ "$part" = dpbig ]; then     # same call: 1.5B at twice the per-GPU batch, alternating
+  case_ 150 0   1.5b --steps 8 --set train.batch_size=4
+  XLA_FLAGS="$BEST" case_ 150 0,1 1.5b --steps 8 --set train.batch_size=8 mesh.data=2
+  case_ 150 0,1 1.5b --steps 8 --set train.batch_size=8 mesh.data=2
+  case_ 150 0   1.5b --steps 8 --set train.batch_size=4
 elif [ "$part" = dpprof ]; then   # where the two-GPU 1.5B step loses time: profiles of both
   NOCB="--xla_gpu_enable_command_buffer="     # kernels named by HLO op in the trace
   XLA_FLAGS="$NOCB" case_ 150 0 1.5b --steps 5 --profile "$OUT/prof1"
@@ -121,9 +127,11 @@ elif [ "$part" = longest ]; then
   timeout 560 python3 benchmarks/longest_context.py --search-untuned \
     --model 0.1b --lo $lo --hi $hi --multiple $mult --run --out "$OUT/longest_sp.jsonl" \
     --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence=2
-elif [ "$part" = longest1 ]; then
+elif [ "$part" = longest1 ]; then  # H200: searched, then trained; H100: the plan only
+  if [ "${mib:-0}" -ge 100000 ]; then lo=1048576 hi=2097152 run=--run
+  else lo=262144 hi=1048576 run=; fi
   CUDA_VISIBLE_DEVICES=0 timeout 400 python3 benchmarks/longest_context.py --search-untuned \
-    --model 0.1b --lo 262144 --hi 1048576 --multiple 131072 --out "$OUT/longest_1gpu.jsonl" \
+    --model 0.1b --lo $lo --hi $hi --multiple 131072 $run --out "$OUT/longest_1gpu.jsonl" \
     --set runtime.remat=true runtime.scan_layers=true
 else
   if [ "${mib:-0}" -ge 100000 ]; then

@@ -21,6 +21,7 @@
 #                                                 # (remat + layer scan; compile-only search)
 #   bash tools/device_throughput.sh ab MODEL [..] # same-call A/B: .peer/rev's lwm_jax (an older
 #                                                 # commit) against this tree, twice, alternating
+#                                                 # (AB_REPS=1: once each, for long cases)
 # For `ab`, snapshot the older commit first (here, not on the device; .peer is carried):
 #   rm -rf .peer/rev && mkdir -p .peer/rev && git archive REV lwm_jax | tar -x -C .peer/rev
 #
@@ -90,7 +91,7 @@ case "$mode" in
   ab)
     model=${1:?usage: $0 ab 0.1b|1.5b [train_step.py args]}; shift
     test -d .peer/rev/lwm_jax || { echo "ab: no .peer/rev/lwm_jax (see the header)" >&2; exit 2; }
-    for i in 1 2; do
+    for i in $(seq "${AB_REPS:-2}"); do
       PYTHONPATH=$PWD/.peer/rev python3 benchmarks/train_step.py --models "$model" \
         --out "$OUT/ab_rev.jsonl" "$@"
       python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
