@@ -5,7 +5,9 @@ moments) with the real parameter shapes, then times three ways of guarding the u
 random float32 gradients, each jitted alone with parameters and moments donated (as the train
 step donates its state):
 
-- `select`: the train step's form: update, then `where(finite, new, old)` on every leaf;
+- `inside`: the train step's form: the guard folded into the update (`apply=finite`, the
+  learning rate 0 where not finite; `lwm_jax.train.optimizer.scale_by_adam_f32`);
+- `select`: the form before 2026-11-26: update, then `where(finite, new, old)` on every leaf;
 - `cond`: `lax.cond(finite, update, keep)`;
 - `none`: the update with no guard (the floor the guard is measured against).
 
@@ -56,6 +58,12 @@ def main() -> None:
         updates, opt_state = prog.tx.update(g, opt_state, params, lr=prog.lr_at(step))
         return optax.apply_updates(params, updates), opt_state
 
+    def inside(params, opt_state, g, step):
+        finite = all_finite(g)
+        updates, opt_state = prog.tx.update(g, opt_state, params, apply=finite,
+                                            lr=jnp.where(finite, prog.lr_at(step), 0.0))
+        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(g)
+
     def select(params, opt_state, g, step):
         finite = all_finite(g)
         new_params, new_opt = update(params, opt_state, g, step)
@@ -73,7 +81,9 @@ def main() -> None:
 
     params, opt_state = state.params, state.opt_state
     step = jnp.int32(5)
-    for name, fn in (("select", select), ("cond", cond), ("none", none), ("select", select)):
+    variants = (("inside", inside), ("select", select), ("cond", cond), ("none", none),
+                ("inside", inside))
+    for name, fn in variants:
         jitted = jax.jit(fn, donate_argnums=(0, 1))
         params, opt_state, _ = jax.block_until_ready(jitted(params, opt_state, grads, step))
         times = []

@@ -74,26 +74,47 @@ class AdamF32State(NamedTuple):
     nu: Any            # float32, structure of params
 
 
-def scale_by_adam_f32(b1: float, b2: float, eps: float) -> optax.GradientTransformation:
-    """Adam direction `m̂ / (sqrt(v̂) + eps)` with both moments stored in float32."""
+def scale_by_adam_f32(b1: float, b2: float, eps: float) -> optax.GradientTransformationExtraArgs:
+    """Adam direction `m̂ / (sqrt(v̂) + eps)` with both moments stored in float32.
+
+    `update(..., apply=flag)` (a bool scalar; None = True) guards the step: where `flag` is
+    False the moments and the count come back unchanged and the gradients (which may hold
+    NaN/inf) are never read into them. The guard is folded into the update's own scalars
+    (`b1, 1 - b1` become `1, 0`, the gradient is read as 0) instead of selecting between new
+    and old moments afterwards, so one fused pass writes each moment once; where `flag` is
+    True the arithmetic is the unguarded update's, bit for bit.
+    """
 
     def init(params):
         zeros = lambda p: jnp.zeros(p.shape, jnp.float32)
         return AdamF32State(jnp.zeros([], jnp.int32), jax.tree.map(zeros, params),
                             jax.tree.map(zeros, params))
 
-    def update(grads, state, params=None):
-        del params
-        g32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, g32)
-        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, g32)
-        count = state.count + 1
-        c1 = 1 - b1 ** count.astype(jnp.float32)
-        c2 = 1 - b2 ** count.astype(jnp.float32)
+    def update(grads, state, params=None, *, apply=None, **extra):
+        del params, extra
+        f32 = jnp.float32
+        if apply is None:
+            keep_m, new_m, keep_v, new_v = f32(b1), f32(1 - b1), f32(b2), f32(1 - b2)
+            read = lambda g: g.astype(f32)  # noqa: E731
+            count = state.count + 1
+        else:
+            pick = lambda on, off: jnp.where(apply, f32(on), f32(off))  # noqa: E731
+            keep_m, new_m, keep_v, new_v = pick(b1, 1.0), pick(1 - b1, 0.0), pick(b2, 1.0), \
+                pick(1 - b2, 0.0)
+            read = lambda g: jnp.where(apply, g.astype(f32), f32(0))  # noqa: E731
+            count = state.count + apply.astype(jnp.int32)
+        g32 = jax.tree.map(read, grads)
+        mu = jax.tree.map(lambda m, g: keep_m * m + new_m * g, state.mu, g32)
+        nu = jax.tree.map(lambda v, g: keep_v * v + new_v * g * g, state.nu, g32)
+        # a skipped first step leaves count 0: its direction is discarded (lr 0), but must stay
+        # finite, so the bias corrections use at least one step
+        steps = jnp.maximum(count, 1).astype(f32)
+        c1 = 1 - b1 ** steps
+        c2 = 1 - b2 ** steps
         direction = jax.tree.map(lambda m, v: (m / c1) / (jnp.sqrt(v / c2) + eps), mu, nu)
         return direction, AdamF32State(count, mu, nu)
 
-    return optax.GradientTransformation(init, update)
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def applied_updates(opt_state: Any) -> jax.Array:

@@ -144,13 +144,13 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
         finite = all_finite(grads) & jnp.isfinite(loss)
         lr = lr_at(state.step)
         with jax.named_scope("optimizer"):
-            updates, opt_state = tx.update(grads, state.opt_state, state.params, lr=lr)
+            # Non-finite loss or gradient (fp16 overflow, divergence): the params and moments
+            # come back unchanged (learning rate 0, moments kept by `apply`; under fp16 the
+            # scale is halved below). Guarding inside the update, not by selecting between the
+            # new and old state after it, keeps it one pass over params and moments.
+            updates, opt_state = tx.update(grads, state.opt_state, state.params,
+                                           lr=jnp.where(finite, lr, 0.0), apply=finite)
             params = optax.apply_updates(state.params, updates)
-        # Non-finite loss or gradient (fp16 overflow, divergence): keep the old params and
-        # moments (under fp16 the scale is halved below).
-        keep = lambda new, old: jax.tree.map(  # noqa: E731
-            lambda n, o: jnp.where(finite, n, o), new, old)
-        params, opt_state = keep(params, state.params), keep(opt_state, state.opt_state)
         new_state = TrainState(state.step + 1, params, opt_state,
                                state.loss_scale.adjust(finite), state.rng)
         scale = getattr(new_state.loss_scale, "scale", jnp.ones([], jnp.float32))
