@@ -5,9 +5,11 @@ moments) with the real parameter shapes, then times three ways of guarding the u
 random float32 gradients, each jitted alone with parameters and moments donated (as the train
 step donates its state):
 
-- `inside`: the train step's form: the guard folded into the update (`apply=finite`, the
-  learning rate 0 where not finite; `lwm_jax.train.optimizer.scale_by_adam_f32`);
-- `select`: the form before 2026-11-26: update, then `where(finite, new, old)` on every leaf;
+- `inside`: the train step's form: one gradient norm for the clip, the metric and the check;
+  the guard folded into the update (`apply=finite`, the learning rate 0 where not finite;
+  `lwm_jax.train.optimizer`);
+- `select`: the form before 2026-11-26: an all-finite reduction, the update (its clip computing
+  the norm again), then `where(finite, new, old)` on every leaf;
 - `cond`: `lax.cond(finite, update, keep)`;
 - `none`: the update with no guard (the floor the guard is measured against).
 
@@ -59,10 +61,11 @@ def main() -> None:
         return optax.apply_updates(params, updates), opt_state
 
     def inside(params, opt_state, g, step):
-        finite = all_finite(g)
-        updates, opt_state = prog.tx.update(g, opt_state, params, apply=finite,
+        norm = optax.tree.norm(g)
+        finite = jnp.isfinite(norm)
+        updates, opt_state = prog.tx.update(g, opt_state, params, apply=finite, grad_norm=norm,
                                             lr=jnp.where(finite, prog.lr_at(step), 0.0))
-        return optax.apply_updates(params, updates), opt_state, optax.tree.norm(g)
+        return optax.apply_updates(params, updates), opt_state, norm
 
     def select(params, opt_state, g, step):
         finite = all_finite(g)

@@ -117,6 +117,23 @@ def scale_by_adam_f32(b1: float, b2: float, eps: float) -> optax.GradientTransfo
     return optax.GradientTransformationExtraArgs(init, update)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm`'s rule (leaves unchanged below `max_norm`, else scaled by
+    `max_norm / norm`, the same arithmetic), with the norm passed in as `update(...,
+    grad_norm=n)` when the caller has it: the train step computes the gradient's norm once, for
+    this clip, its metric and its non-finite check. Without `grad_norm` it is computed here.
+    State: `optax.EmptyState`, as optax's."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        below = norm < max_norm
+        return jax.tree.map(lambda t: jnp.where(below, t, (t / norm.astype(t.dtype)) * max_norm),
+                            updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 def applied_updates(opt_state: Any) -> jax.Array:
     """int32 count of updates the optimizer has applied (fp16-skipped steps excluded)."""
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AdamF32State))
@@ -149,7 +166,7 @@ def make_optimizer(t: TrainSection, params: Any,
     `params` may be abstract (`jax.ShapeDtypeStruct` leaves): only its structure and names are
     used here.
     """
-    clip = optax.clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
+    clip = clip_by_global_norm(t.grad_clip) if t.grad_clip > 0 else optax.identity()
     return optax.chain(
         optax.stateless(lambda g, p=None: jax.tree.map(lambda x: x.astype(jnp.float32), g)),
         clip,

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from lwm_jax.loss_scale import DynamicLossScale, NoLossScale, all_finite
+from lwm_jax.loss_scale import DynamicLossScale, NoLossScale
 from lwm_jax.models.registry import loss_head
 from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
 from lwm_jax.train.optimizer import applied_updates
@@ -110,7 +110,8 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
       (`document_segment_ids`); None = documents flow into each other (RWKV-LM's way).
     metrics: dict of float32 scalars `loss` (mean cross-entropy, nats), `grad_norm` (global norm
       of the unscaled, unclipped gradient), `lr`, `loss_scale`, `finite` (1 = update applied,
-      0 = skipped: non-finite loss or gradient), `skipped_steps` (steps skipped so far).
+      0 = skipped: non-finite loss or gradient, or a gradient norm beyond float32),
+      `skipped_steps` (steps skipped so far).
     State buffers are donated: the caller must use the returned state.
     """
 
@@ -141,7 +142,10 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
     def step(state: TrainState, tokens):
         loss, grads = gradients(state.params, tokens, state.loss_scale)
         grads = state.loss_scale.unscale(grads)
-        finite = all_finite(grads) & jnp.isfinite(loss)
+        # one pass over the gradient gives its norm for the clip, the metric and the guard: a
+        # NaN/inf anywhere makes it non-finite (so does a norm beyond float32's range, ~1.8e19)
+        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         lr = lr_at(state.step)
         with jax.named_scope("optimizer"):
             # Non-finite loss or gradient (fp16 overflow, divergence): the params and moments
@@ -149,14 +153,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
             # scale is halved below). Guarding inside the update, not by selecting between the
             # new and old state after it, keeps it one pass over params and moments.
             updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                           lr=jnp.where(finite, lr, 0.0), apply=finite)
+                                           lr=jnp.where(finite, lr, 0.0), apply=finite,
+                                           grad_norm=grad_norm)
             params = optax.apply_updates(state.params, updates)
         new_state = TrainState(state.step + 1, params, opt_state,
                                state.loss_scale.adjust(finite), state.rng)
         scale = getattr(new_state.loss_scale, "scale", jnp.ones([], jnp.float32))
-        grads_f32 = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         metrics = {"loss": loss.astype(jnp.float32),
-                   "grad_norm": optax.tree.norm(grads_f32),
+                   "grad_norm": grad_norm,
                    "lr": lr,
                    "loss_scale": scale.astype(jnp.float32),
                    "finite": finite.astype(jnp.float32),

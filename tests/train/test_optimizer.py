@@ -5,6 +5,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -13,8 +14,8 @@ from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.precision import parse_policy
 from lwm_jax.train.config import TrainSection, load_config
 from lwm_jax.train.loss import cross_entropy, lm_loss
-from lwm_jax.train.optimizer import (decay_mask, lr_schedule, make_optimizer,
-                                     wants_weight_decay)
+from lwm_jax.train.optimizer import (clip_by_global_norm, decay_mask, lr_schedule,
+                                     make_optimizer, wants_weight_decay)
 from lwm_jax.train.params import split_model
 from lwm_jax.train.sharding import make_mesh, replicated
 from lwm_jax.train.step import TrainState, make_train_step
@@ -255,3 +256,17 @@ def _made_by(jaxpr, var) -> str:
             sub = getattr(sub, "jaxpr", sub)
             return _made_by(sub, sub.outvars[eqn.outvars.index(var)])
     return "input"
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 1e3])      # clipping on, off
+def test_clip_with_the_steps_norm_is_optaxs_clip(max_norm):
+    rng = np.random.default_rng(5)
+    grads = {"a": jnp.asarray(rng.standard_normal((7, 5)), jnp.float32),
+             "b": jnp.asarray(rng.standard_normal((3,)), jnp.float32)}
+    want, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    ours = clip_by_global_norm(max_norm)
+    for kwargs in ({}, {"grad_norm": optax.tree.norm(grads)}):
+        got, state = ours.update(grads, ours.init(grads), **kwargs)
+        assert state == optax.EmptyState()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -49,6 +49,7 @@ from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
 from lwm_jax.models.rwkv7.model import _sequence_parallel_wkv, head_fn, remat_policy
+from lwm_jax.models.stacked import unstack
 from lwm_jax.precision import Policy, parse_policy
 from lwm_jax.runtime import Runtime
 
@@ -215,16 +216,17 @@ class RWKVHybrid(nnx.Module):
         rematted = {False: (rwkv_layer, attention_layer),
                     True: (checkpoint(rwkv_layer, static_argnums=(4,)),
                            checkpoint(attention_layer))}
-        take = lambda tree, i: jax.tree.map(lambda a: a[i], tree)  # noqa: E731
+        rwkv_layers = unstack(rwkv_p, c.n_layer - len(c.attention_layers))
+        attn_layers = unstack(attn_p, len(c.attention_layers)) if c.attention_layers else []
         v_first, r, a = None, 0, 0
         for l in range(c.n_layer):
             layer_probe = scoped(probe, f"layer{l}")
             rwkv_step, attention_step = rematted[rt.rematerialized(l)]
             if l in c.attention_layers:
-                x = attention_step(take(attn_p, a), x, segment_ids, layer_probe)
+                x = attention_step(attn_layers[a], x, segment_ids, layer_probe)
                 a += 1
             else:
-                x, v_first = rwkv_step(take(rwkv_p, r), x, v_first, segment_ids, l == 0,
+                x, v_first = rwkv_step(rwkv_layers[r], x, v_first, segment_ids, l == 0,
                                        layer_probe)
                 r += 1
         return x

@@ -59,6 +59,7 @@ from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_c
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import INIT_STD, Block, block_forward, normal
 from lwm_jax.models.llama.config import LlamaConfig
+from lwm_jax.models.stacked import unstack
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
 from lwm_jax.runtime import Runtime
 
@@ -201,10 +202,11 @@ class Llama(nnx.Module):
                 return x_BTC, None
             return x_BTC, jax.tree.map(lambda *a: jnp.concatenate(a), *caches)
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+        per_layer = unstack(params, cfg.n_layer)     # one stacked gradient, not L padded ones
         new = []
         for l in range(cfg.n_layer):
             layer_cache = None if cache is None else layer(cache, l)
-            x_BTC, layer_cache = step_of(l)(layer(params, l), x_BTC, layer_cache,
+            x_BTC, layer_cache = step_of(l)(per_layer[l], x_BTC, layer_cache,
                                             scoped(probe, f"layer{l}"))
             new.append(layer_cache)
         stacked = None if cache is None else jax.tree.map(lambda *a: jnp.stack(a), *new)

@@ -52,6 +52,7 @@ from flax import nnx
 
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.models.stacked import unstack
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME, RESIDUALS_NAME
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7 import init
@@ -247,10 +248,11 @@ class RWKV7(nnx.Module):
             return carry[0], jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
 
         layer = lambda tree, l: jax.tree.map(lambda a: a[l], tree)  # noqa: E731
+        per_layer = unstack(params, cfg.n_layer)     # one stacked gradient, not L padded ones
         v_first, outs = None, []
         for l in range(cfg.n_layer):
             x_BTC, v_first, st = make(l == 0, rt.rematerialized(l))(
-                layer(params, l), x_BTC, v_first, layer(states, l), segment_ids,
+                per_layer[l], x_BTC, v_first, layer(states, l), segment_ids,
                 layer_probe=scoped(probe, f"layer{l}"))
             outs.append(jax.tree.map(lambda a: a[None], st))
         return x_BTC, jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
