@@ -93,17 +93,12 @@ def scale_by_adam_f32(b1: float, b2: float, eps: float) -> optax.GradientTransfo
     def update(grads, state, params=None, *, apply=None, **extra):
         del params, extra
         f32 = jnp.float32
-        if apply is None:
-            keep_m, new_m, keep_v, new_v = f32(b1), f32(1 - b1), f32(b2), f32(1 - b2)
-            read = lambda g: g.astype(f32)  # noqa: E731
-            count = state.count + 1
-        else:
-            pick = lambda on, off: jnp.where(apply, f32(on), f32(off))  # noqa: E731
-            keep_m, new_m, keep_v, new_v = pick(b1, 1.0), pick(1 - b1, 0.0), pick(b2, 1.0), \
-                pick(1 - b2, 0.0)
-            read = lambda g: jnp.where(apply, g.astype(f32), f32(0))  # noqa: E731
-            count = state.count + apply.astype(jnp.int32)
-        g32 = jax.tree.map(read, grads)
+        apply = jnp.asarray(True if apply is None else apply)
+        pick = lambda on, off: jnp.where(apply, f32(on), f32(off))  # noqa: E731
+        keep_m, new_m, keep_v, new_v = pick(b1, 1.0), pick(1 - b1, 0.0), pick(b2, 1.0), \
+            pick(1 - b2, 0.0)
+        count = state.count + apply.astype(jnp.int32)
+        g32 = jax.tree.map(lambda g: jnp.where(apply, g.astype(f32), f32(0)), grads)
         mu = jax.tree.map(lambda m, g: keep_m * m + new_m * g, state.mu, g32)
         nu = jax.tree.map(lambda v, g: keep_v * v + new_v * g * g, state.nu, g32)
         # a skipped first step leaves count 0: its direction is discarded (lr 0), but must stay

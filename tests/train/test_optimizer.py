@@ -211,17 +211,24 @@ def test_fp16_overflow_skips_the_update_and_halves_the_scale():
 
 def test_guarded_adam_is_the_plain_update_when_applied_and_keeps_the_state_when_not():
     params, axes = _toy_params(np.random.default_rng(3))
-    tx = make_optimizer(TrainSection(steps=10, warmup_steps=0), params, axes)
+    t = TrainSection(steps=10, warmup_steps=0, grad_clip=0.0)
+    b1, b2 = t.betas
+    tx = make_optimizer(t, params, axes)
     rng = np.random.default_rng(4)
-    plain = guarded = tx.init(params)
+    guarded = tx.init(params)
+    mu = nu = jax.tree.map(jnp.zeros_like, params)
     for _ in range(3):
         grads = jax.tree.map(lambda p: jnp.asarray(rng.standard_normal(p.shape), jnp.float32),
                              params)
-        u_plain, plain = tx.update(grads, plain, params, lr=jnp.float32(1e-3))
-        u_guard, guarded = tx.update(grads, guarded, params, lr=jnp.float32(1e-3),
-                                     apply=jnp.bool_(True))
-        for a, b in zip(jax.tree.leaves((u_plain, plain)), jax.tree.leaves((u_guard, guarded))):
+        _, guarded = tx.update(grads, guarded, params, lr=jnp.float32(1e-3),
+                               apply=jnp.bool_(True))
+        # the plain Adam moments, written out: the guard's scalars must not change a bit
+        mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, mu, grads)
+        nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, nu, grads)
+        for a, b in zip(jax.tree.leaves((guarded[2].mu, guarded[2].nu)),
+                        jax.tree.leaves((mu, nu))):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(guarded[2].count) == 3
     bad = jax.tree.map(lambda p: jnp.full(p.shape, jnp.nan, jnp.float32), params)
     bad["emb"] = bad["emb"].at[0, 0].set(jnp.inf)
     updates, kept = tx.update(bad, guarded, params, lr=jnp.float32(0), apply=jnp.bool_(False))
