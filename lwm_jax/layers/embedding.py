@@ -22,10 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS, activation_spec
+
 GATHER_SCOPE = "embedding_grad_gather"    # names the backward's gathers in HLO metadata
-# the activations' layout, as `lwm_jax.train.sharding.activation_spec` states it (layers cannot
-# import train: the packages would import each other)
-_BATCH_AXES, _SEQUENCE_AXIS = ("data", "fsdp"), "sequence"
 
 
 def gathers_gradient(mesh, shape_BT: tuple[int, int], vocab_size: int) -> bool:
@@ -42,7 +41,7 @@ def gathers_gradient(mesh, shape_BT: tuple[int, int], vocab_size: int) -> bool:
     if size("fsdp") > 1 or size("tensor") > 1:
         return False
     B, T = shape_BT
-    if B % (size("data") * size("fsdp")) or T % size(_SEQUENCE_AXIS):
+    if B % (size("data") * size("fsdp")) or T % size(SEQUENCE_AXIS):
         return False
     return B * T < 2 * vocab_size
 
@@ -68,8 +67,8 @@ def _lookup_fwd(mesh, table_VC, tokens_BT):
 
 def _lookup_bwd(mesh, residuals, g_BTC):
     tokens_BT, table_VC = residuals
-    axes = tuple(a for a in (*_BATCH_AXES, _SEQUENCE_AXIS) if mesh.shape.get(a, 1) > 1)
-    layout = P(_BATCH_AXES, _SEQUENCE_AXIS)
+    axes = tuple(a for a in (*BATCH_AXES, SEQUENCE_AXIS) if mesh.shape.get(a, 1) > 1)
+    layout = activation_spec()
 
     def scatter_all(tokens_bt, g_btc, table):
         # every device receives every token's id and cotangent, then scatters all of them:

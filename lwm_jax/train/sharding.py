@@ -9,7 +9,8 @@ Logical-axis rules (`LOGICAL_RULES`): a parameter dim named `embed` is split ove
 `vocab`, `mlp` and `heads` over `tensor`; `layers`, `head_dim` and `lora` stay whole. A mesh
 axis is used at most once per array, and a dim whose size is not divisible by the mesh axis size
 stays replicated (so odd shapes still run, just less sharded).
-The batch `[B, T]` is split over (`data`, `fsdp`) on B and `sequence` on T.
+The batch `[B, T]` is split over (`data`, `fsdp`) on B and `sequence` on T
+(`lwm_jax.layers.layout`, where the models read it too).
 """
 from __future__ import annotations
 
@@ -20,10 +21,10 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwm_jax.layers.layout import BATCH_AXES
 from lwm_jax.train.params import map_with_names
 
 MESH_AXES = ("data", "fsdp", "tensor", "sequence")
-BATCH_AXES = ("data", "fsdp")
 LOGICAL_RULES: dict[str, str | None] = {
     "vocab": "tensor",
     "embed": "fsdp",
@@ -81,15 +82,10 @@ def tokens_sharding(mesh: Mesh, with_accum_axis: bool = False) -> NamedSharding:
     """Sharding of a host batch of token ids `[B, T+1]` (or `[A, B/A, T+1]` with accumulation).
 
     Only the batch dim is split: T+1 need not divide the `sequence` axis. The step constrains
-    the `[B, T]` inputs to `activation_spec()` after slicing.
+    the `[B, T]` inputs to `lwm_jax.layers.layout.activation_spec()` after slicing.
     """
     spec = P(None, BATCH_AXES, None) if with_accum_axis else P(BATCH_AXES, None)
     return NamedSharding(mesh, spec)
-
-
-def activation_spec() -> P:
-    """PartitionSpec of `[B, T]` model inputs/targets inside the step."""
-    return P(BATCH_AXES, "sequence")
 
 
 def shard_like_params(tree: Any, params: Any, param_sh: Any, mesh: Mesh) -> Any:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import types
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,7 @@ from flax import nnx
 
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.embedding import embedding_lookup
+from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.hybrid.config import HybridConfig
@@ -191,14 +193,17 @@ class RWKVHybrid(nnx.Module):
 
         wkv_op = None if self.mesh is None else _sequence_parallel_wkv(self.mesh)
 
+        pin = partial(pin_activation, mesh=self.mesh)     # `layers/layout.py` says why
+
         def rwkv_layer(p, x, v_first, seg, first, layer_probe=None):
-            x, v_first, _ = block_forward(p, x, v_first, zero, first=first, cfg=c, policy=policy,
-                                          runtime=rt, segment_ids_BT=seg, probe=layer_probe,
-                                          wkv_op=wkv_op)
-            return x, v_first
+            x, v_first, _ = block_forward(p, pin(x), pin(v_first), zero, first=first, cfg=c,
+                                          policy=policy, runtime=rt, segment_ids_BT=seg,
+                                          probe=layer_probe, wkv_op=wkv_op)
+            return pin(x), pin(v_first)
 
         def attention_layer(p, x, seg, layer_probe=None):
             cd = policy.compute_dtype
+            x = pin(x)
             xn = layer_norm(x, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
             att, _ = attention_forward(p["attn"], xn, cos, sin, None, cfg=shape, policy=policy,
                                        segment_ids_BT=seg)
@@ -210,7 +215,7 @@ class RWKVHybrid(nnx.Module):
                                         segment_ids_BT=seg, probe=scoped(layer_probe, "ffn"))
             if layer_probe is not None:
                 layer_probe("x_out", x)
-            return x
+            return pin(x)
 
         checkpoint = lambda f, **kw: jax.checkpoint(f, policy=remat_policy(rt), **kw)  # noqa
         rematted = {False: (rwkv_layer, attention_layer),

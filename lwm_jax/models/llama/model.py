@@ -54,6 +54,7 @@ from flax import nnx
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.layers.attention import KVCache, empty_cache
 from lwm_jax.layers.embedding import embedding_lookup
+from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.inputs import checked_inputs
@@ -184,9 +185,12 @@ class Llama(nnx.Module):
         """All L layers by Python loop or `lax.scan`, each optionally rematerialised."""
         cfg, policy, rt = self.cfg, self.policy, self.runtime
         fn = partial(block_forward, cfg=cfg, policy=policy)
+        pin = partial(pin_activation, mesh=self.mesh)     # `layers/layout.py` says why
 
         def plain(p, x, layer_cache, layer_probe=None):
-            return fn(p, x, cos, sin, layer_cache, segment_ids_BT=segment_ids, probe=layer_probe)
+            x, layer_cache = fn(p, pin(x), cos, sin, layer_cache, segment_ids_BT=segment_ids,
+                                probe=layer_probe)
+            return pin(x), layer_cache
         rematted = jax.checkpoint(plain, policy=remat_policy(rt)) if rt.remat else plain
         step_of = lambda l: rematted if rt.rematerialized(l) else plain  # noqa: E731
         if rt.scan_layers:

@@ -58,6 +58,7 @@ from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.layers.embedding import embedding_lookup
+from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
 from lwm_jax.runtime import Runtime
@@ -218,6 +219,7 @@ class RWKV7(nnx.Module):
         parameters before the scan, and its gradient was a concatenation of them after it.
         """
         cfg, policy, rt = self.cfg, self.policy, self.runtime
+        pin = partial(pin_activation, mesh=self.mesh)     # `layers/layout.py` says why
 
         def make(first, remat):
             """`first`: True / False (layer 0 / later ones), or None: a traced flag per call."""
@@ -225,8 +227,10 @@ class RWKV7(nnx.Module):
                          wkv_op=self._wkv_op())
 
             def step(p, x, v_first, st, seg, is_first=None, layer_probe=None):
-                return fn(p, x, v_first, st, first=first if first is not None else is_first,
-                          segment_ids_BT=seg, probe=layer_probe)
+                x, v_first, st = fn(p, pin(x), pin(v_first), st,
+                                    first=first if first is not None else is_first,
+                                    segment_ids_BT=seg, probe=layer_probe)
+                return pin(x), pin(v_first), st
             return jax.checkpoint(step, policy=remat_policy(rt)) if remat else step
 
         if rt.scan_layers:
