@@ -15,6 +15,11 @@
 #   bash tools/device_scaleout.sh dpbig      # 1.5B at 4 x 4096 per GPU: 1, 2 (kept flags), 2 (none), 1
 #   bash tools/device_scaleout.sh dpprof     # profiles of the 1.5B step on 1 and 2 GPUs (exposed NCCL)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
+# On a 4- or 8-GPU machine (nvidia-h200-x4/x8, nvidia-h100-x4/x8), N = the GPUs it has:
+#   bash tools/device_scaleout.sh dpn [MODEL]   # data parallel 1 -> 2 -> 4 (-> 8) GPUs, kept flags
+#   bash tools/device_scaleout.sh fsdpn [MODEL] # FSDP (ZeRO-3): 1 GPU, then 2 -> 4 (-> 8), kept flags
+#   bash tools/device_scaleout.sh spn           # 0.1B at 1,048,576 tokens on N GPUs (sequence=N)
+#   bash tools/device_scaleout.sh longestn      # the longest 0.1B context N GPUs train
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
@@ -57,6 +62,18 @@ two15() { case_ 150 0,1 1.5b --steps 8 --set train.batch_size=4 mesh.data=2; }  
 # Time per case on a fresh H100 (2026-11-25): 1.5B init 6-9 s (63 s before the QRs ran one
 # matrix at a time), compile 29-40 s; 4.1B over two GPUs init 10 s, compile 32 s; the 1.5B
 # step without layer scan compiles in 111-123 s. One part per call keeps each call < 10 minutes.
+ngpu=$(nvidia-smi -L | wc -l)
+gpus_() { seq -s, 0 $(($1 - 1)); }   # gpus_ 4 -> 0,1,2,3
+scale_() {   # scale_ MODEL PER_GPU_BATCH MESH_AXIS FIRST_N: 1 GPU, then FIRST_N, 2 FIRST_N, ... <= ngpu
+  local model=$1 b=$2 axis=$3 n=$4 t=150
+  case_ $t 0 "$model" --steps 8 --set train.batch_size="$b"
+  while [ "$n" -le "$ngpu" ]; do
+    XLA_FLAGS="$BEST" case_ $t "$(gpus_ "$n")" "$model" --steps 8 \
+      --set train.batch_size=$((b * n)) mesh.data=$([ "$axis" = data ] && echo "$n" || echo 1) \
+      mesh.fsdp=$([ "$axis" = fsdp ] && echo "$n" || echo 1)
+    n=$((n * 2))
+  done
+}
 part=${1:-dp}
 if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
   if [ "${2:-0.1b}" = 0.1b ]; then
@@ -118,6 +135,21 @@ elif [ "$part" = dpprof ]; then   # where the two-GPU 1.5B step loses time: prof
   python3 benchmarks/profile_summary.py "$OUT/prof2" --n 30 --against "$OUT/prof1" \
     > "$OUT/prof2.txt"
   sed -n '/^-- by_kind/,/^-- by_scope/p;/^-- communication/,$p' "$OUT/prof2.txt" | cut -c1-200
+elif [ "$part" = dpn ]; then      # same call: 1, 2, 4 (, 8) GPUs at the same per-GPU batch
+  [ "${2:-0.1b}" = 0.1b ] && scale_ 0.1b 8 data 2
+  [ "${2:-1.5b}" = 1.5b ] && scale_ 1.5b 2 data 2
+elif [ "$part" = fsdpn ]; then    # same call: 1 GPU, then FSDP over 2, 4 (, 8)
+  [ "${2:-1.5b}" = 1.5b ] && scale_ 1.5b 2 fsdp 2
+  [ "${2:-0.1b}" = 0.1b ] && scale_ 0.1b 8 fsdp 2
+elif [ "$part" = spn ]; then
+  case_ 200 "$(gpus_ "$ngpu")" 0.1b --steps 3 --warmup 1 --set train.batch_size=1 \
+    train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 \
+    mesh.sequence="$ngpu"
+elif [ "$part" = longestn ]; then  # searched in multiples of 512k tokens, then trained
+  timeout 560 python3 benchmarks/longest_context.py --search-untuned \
+    --model 0.1b --lo 1048576 --hi $((ngpu * 1572864)) --multiple 524288 --run \
+    --out "$OUT/longest_sp$ngpu.jsonl" \
+    --set runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence="$ngpu"
 elif [ "$part" = init ]; then
   CUDA_VISIBLE_DEVICES=0 timeout -k 10 300 python3 benchmarks/init_time.py --model 1.5b --qr \
     --profile "$OUT/init_prof" --out "$OUT/init.jsonl" 2>&1 | grep '^STAGE\|^{' | cut -c1-3000

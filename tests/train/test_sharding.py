@@ -47,7 +47,7 @@ def test_optimizer_state_follows_parameter_shardings():
     assert out[0]["count"].spec == P() and out[1][0].spec == P()
 
 
-DRIVER = textwrap.dedent("""
+DRIVER = textwrap.dedent(r"""
     import json, re, sys
     import numpy as np
     import jax
