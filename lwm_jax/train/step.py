@@ -92,11 +92,12 @@ def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: in
             return cross_entropy(logits_BTV, targets_BT)
         return lm_loss(logits_BTV, targets_BT, use_l2wrap=use_l2wrap)
     x_BTC = model.features(inputs_BT, segment_ids=segment_ids_BT)
-    fn, hp = loss_head(model), model.head_params()
+    fn, hp, mesh = loss_head(model), model.head_params(), getattr(model, "mesh", None)
     if not with_grad:
-        return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk)
+        return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
+                                     mesh=mesh)
     return fused_lm_loss(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
-                         use_l2wrap=use_l2wrap)
+                         use_l2wrap=use_l2wrap, mesh=mesh)
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,

@@ -1,10 +1,16 @@
-"""Under FSDP the train step moves parameters between devices, never activations.
+"""Under FSDP the train step moves parameters between devices, never activations, and the
+fused loss's chunk loop moves nothing at all.
 
 `lwm_jax.layers.layout.pin_activation` pins the residual stream at every layer boundary. Without
 it XLA partitioned the layer loop (no `lax.scan`) of RWKV-7, LLaMA and the hybrid by gathering
 `[B, T, ...]` activations (channel-mix hidden states, logits) across the `fsdp` axis and
 reduce-scattering results back, which doubled the 0.1B step on two H200s. The compiled step on a
 2-device CPU mesh (`mesh.fsdp=2`) must hold no collective of a float `[B, T, ...]` array.
+
+The fused loss (`lwm_jax.train.loss`) summed each chunk's head gradient over all devices'
+tokens, so XLA reduced it (and, under FSDP, gathered the head) once per chunk; it now keeps one
+accumulator per device. No collective may touch a `[.., C, V]` head array or a scalar inside a
+loop of the compiled step (the layer scan's loop gathers its layer's parameters: allowed).
 """
 import json
 import os
@@ -23,24 +29,45 @@ DRIVER = textwrap.dedent("""
     from lwm_jax.train.sharding import tokens_sharding
     from lwm_jax.train.trainer import build_program
 
-    config, scan, B, T = sys.argv[1], sys.argv[2], 4, 64
-    cfg = load_config(config, [f"train.batch_size={B}", f"train.ctx_len={T}", "mesh.data=1",
-                               "mesh.fsdp=2", f"runtime.scan_layers={scan}", "data.path=null",
-                               "data.val_path=null", "precision=bf16-mixed"])
+    config, scan, mesh, B, T, V = sys.argv[1], sys.argv[2], sys.argv[3], 4, 64, 384
+    data, fsdp, seq = mesh.split(",")
+    cfg = load_config(config, [f"train.batch_size={B}", f"train.ctx_len={T}", f"mesh.data={data}",
+                               f"mesh.fsdp={fsdp}", f"mesh.sequence={seq}",
+                               f"runtime.scan_layers={scan}", "data.path=null",
+                               "data.val_path=null", "precision=bf16-mixed",
+                               f"model.vocab_size={V}", "train.loss_chunk=64"])
     prog = build_program(cfg)
     tokens = jax.ShapeDtypeStruct((B, T + 1), np.int32, sharding=tokens_sharding(prog.mesh))
     hlo = prog.train_step.lower(prog.abstract_state, tokens).compile().as_text()
-    moved = []
+    moved, in_loop = [], []
     kinds = "all-gather|reduce-scatter|all-reduce|all-to-all|collective-permute"
-    for line in hlo.splitlines():
-        m = re.search(rf"= (.+?) ({kinds})(?:-start)?\\(", line)
-        if m:   # a tuple result lists several arrays
-            for dtype, dims in re.findall(r"(\\w+)\\[([\\d,]*)\\]", m.group(1)):
+    bodies = {b.lstrip("%") for b in re.findall(r"body=(%?[\\w.\\-]+)", hlo)}
+    for comp in re.split(r"\\n(?=%|ENTRY)", hlo):
+        looped = comp.split(" ", 1)[0].lstrip("%") in bodies
+        for line in comp.splitlines():
+            m = re.search(rf"= (.+?) ({kinds})(?:-start)?\\(", line)
+            if not m:
+                continue
+            for dtype, dims in re.findall(r"(\\w+)\\[([\\d,]*)\\]", m.group(1)):  # tuples too
                 shape = [int(d) for d in dims.split(",") if d]
                 if dtype.startswith(("f", "bf")) and len(shape) >= 3 and shape[:2] == [B, T]:
                     moved.append(f"{m.group(2)} {dtype}{shape}")
-    print(json.dumps({"moved": moved, "collectives": len(re.findall(kinds, hlo))}))
+                if looped and (shape == [] or V in shape):
+                    in_loop.append(f"{m.group(2)} {dtype}{shape}")
+    print(json.dumps({"moved": moved, "in_loop": in_loop,
+                      "collectives": len(re.findall(kinds, hlo))}))
 """)
+
+
+def _compiled(config, scan, mesh, devices):
+    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", DRIVER, f"{REPO}/configs/{config}.yaml", scan,
+                           mesh], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["collectives"] > 0          # the mesh is really split
+    return out
 
 
 @pytest.mark.parametrize("config", ["tiny", "llama-tiny", "rwkv7-hybrid-tiny"])
@@ -48,11 +75,13 @@ DRIVER = textwrap.dedent("""
 def test_fsdp_step_moves_no_activations(config, scan):
     if config == "rwkv7-hybrid-tiny" and scan == "true":
         pytest.skip("the hybrid has no layer scan")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
-           "JAX_PLATFORMS": "cpu"}
-    proc = subprocess.run([sys.executable, "-c", DRIVER, f"{REPO}/configs/{config}.yaml", scan],
-                          env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["collectives"] > 0          # parameters are gathered: the mesh is really split
+    out = _compiled(config, scan, "1,2,1", 2)
     assert out["moved"] == [], out["moved"]
+    assert out["in_loop"] == [], out["in_loop"]
+
+
+@pytest.mark.parametrize("mesh", ["2,1,1", "1,2,2", "1,1,2"])   # data, fsdp, sequence
+def test_fused_loss_loop_moves_nothing(mesh):
+    """Data parallel, FSDP x sequence, sequence alone (RWKV-7, layer scan)."""
+    out = _compiled("tiny", "true", mesh, 2 if mesh != "1,2,2" else 4)
+    assert out["in_loop"] == [], out["in_loop"]

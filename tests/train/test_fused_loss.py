@@ -133,3 +133,59 @@ def test_one_pass_max_argmax_logsumexp_matches_the_separate_reductions(V):
     with_nan[2, 1, 123] = np.nan
     lse_nan = np.asarray(jax.jit(max_argmax_logsumexp)(jnp.asarray(with_nan))[2])
     assert np.isnan(lse_nan[2, 1]) and np.isfinite(np.delete(lse_nan.ravel(), 2 * 5 + 1)).all()
+
+
+GROUPED_DRIVER = r"""
+import json
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from lwm_jax.layers.layout import activation_spec
+from lwm_jax.train.loss import _DeviceGroups, fused_lm_loss
+from lwm_jax.train.sharding import make_mesh
+
+B, T, C, V = 4, 32, 16, 40
+rng = np.random.default_rng(0)
+x = rng.standard_normal((B, T, C)).astype(np.float32)
+w = rng.standard_normal((C, V)).astype(np.float32)
+tgt = rng.integers(0, V, (B, T)).astype(np.int32)
+head = lambda x, p: jnp.einsum("bnc,cv->bnv", x, p["w"], precision="highest")
+out = {}
+for name, sizes in {"data2_fsdp2": dict(data=2, fsdp=2, tensor=1, sequence=1),
+                    "fsdp2_seq2": dict(data=1, fsdp=2, tensor=1, sequence=2)}.items():
+    mesh = make_mesh(sizes)
+    assert _DeviceGroups(mesh, B, 8, 0).active         # n = 32 // 4 = 8 positions per chunk
+    xs = jax.device_put(x, NamedSharding(mesh, activation_spec(3)))
+    ps = {"w": jax.device_put(w, NamedSharding(mesh, P("fsdp", None)))}
+    ts = jax.device_put(tgt, NamedSharding(mesh, activation_spec()))
+    for m, key in ((mesh, name), (None, name + "_plain")):
+        f = lambda x, p, m=m: fused_lm_loss(head, x, p, ts, chunk_tokens=32, use_l2wrap=True,
+                                            mesh=m)
+        val, (gx, gp) = jax.jit(jax.value_and_grad(f, argnums=(0, 1)))(xs, ps)
+        out[key] = [float(val), np.asarray(gx).tolist(), np.asarray(gp["w"]).tolist()]
+logits = np.einsum("btc,cv->btv", x.astype(np.float64), w.astype(np.float64))
+lse = np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1)) + logits.max(-1)
+out["ref"] = float(np.mean(lse - np.take_along_axis(logits, tgt[..., None], -1)[..., 0]))
+print(json.dumps(out))
+"""
+
+
+def test_fused_loss_grouped_by_device_equals_ungrouped():
+    """On 4 CPU devices (data x fsdp, fsdp x sequence) the per-device accumulators of the
+    fused loss give the value and gradients of the one-accumulator loop (float32 summation
+    order apart), and the value of a float64 reference."""
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", GROUPED_DRIVER], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    for name in ("data2_fsdp2", "fsdp2_seq2"):
+        grouped, plain = out[name], out[name + "_plain"]
+        assert rel(grouped[0], out["ref"]) < 1e-6
+        assert rel(grouped[0], plain[0]) < 1e-6
+        assert rel(grouped[1], plain[1]) < 1e-6          # d x
+        assert rel(grouped[2], plain[2]) < 1e-6          # d head
