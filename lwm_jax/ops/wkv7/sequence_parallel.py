@@ -290,7 +290,7 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
         the corrected output is cast once, as in `wkv7`.
       return_state: also return the float32 final state `[B, H, K, V]`.
       batch_axes: mesh axes splitting B (default: those of ("data", "fsdp") in the mesh, as in
-        `lwm_jax.train.sharding.activation_spec`); B must be divisible by their product.
+        `lwm_jax.layers.layout.activation_spec`); B must be divisible by their product.
       head_axis: optional mesh axis splitting H (e.g. "tensor"); the op is independent per head.
       fuse: run the local and identity passes as one call with `[v | 0]` (value width V + K).
         None: fuse unless the chosen implementation is "pallas"; with the Pallas GPU kernels
