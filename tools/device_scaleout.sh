@@ -20,6 +20,8 @@
 #   bash tools/device_scaleout.sh fsdpn [MODEL] # FSDP (ZeRO-3): 1 GPU, then 2 -> 4 (-> 8), kept flags
 #   bash tools/device_scaleout.sh spn           # 0.1B at 1,048,576 tokens on N GPUs (sequence=N)
 #   bash tools/device_scaleout.sh longestn      # the longest 0.1B context N GPUs train
+#   AB=1 bash tools/device_scaleout.sh dpn|fsdpn|spn [MODEL]  # each multi-GPU case twice, same call:
+#        .peer/rev's lwm_jax (an older commit, as for device_throughput.sh ab), then this tree
 #
 # 1. Data-parallel efficiency 1 -> 2 GPUs at the throughput shapes: 0.1B 8 x 4096 and 1.5B
 #    2 x 4096 per GPU (the 1-GPU case sees one GPU through CUDA_VISIBLE_DEVICES).
@@ -68,9 +70,14 @@ scale_() {   # scale_ MODEL PER_GPU_BATCH MESH_AXIS FIRST_N: 1 GPU, then FIRST_N
   local model=$1 b=$2 axis=$3 n=$4 t=150
   case_ $t 0 "$model" --steps 8 --set train.batch_size="$b"
   while [ "$n" -le "$ngpu" ]; do
-    XLA_FLAGS="$BEST" case_ $t "$(gpus_ "$n")" "$model" --steps 8 \
-      --set train.batch_size=$((b * n)) mesh.data=$([ "$axis" = data ] && echo "$n" || echo 1) \
-      mesh.fsdp=$([ "$axis" = fsdp ] && echo "$n" || echo 1)
+    local trees=$PWD
+    [ -n "${AB:-}" ] && trees="$PWD/.peer/rev $PWD"
+    for tree in $trees; do
+      PYTHONPATH=$tree XLA_FLAGS="$BEST" case_ $t "$(gpus_ "$n")" "$model" --steps 8 \
+        --set train.batch_size=$((b * n)) \
+        mesh.data=$([ "$axis" = data ] && echo "$n" || echo 1) \
+        mesh.fsdp=$([ "$axis" = fsdp ] && echo "$n" || echo 1)
+    done
     n=$((n * 2))
   done
 }
@@ -141,10 +148,13 @@ elif [ "$part" = dpn ]; then      # same call: 1, 2, 4 (, 8) GPUs at the same pe
 elif [ "$part" = fsdpn ]; then    # same call: 1 GPU, then FSDP over 2, 4 (, 8)
   [ "${2:-1.5b}" = 1.5b ] && scale_ 1.5b 2 fsdp 2
   [ "${2:-0.1b}" = 0.1b ] && scale_ 0.1b 8 fsdp 2
-elif [ "$part" = spn ]; then
-  case_ 200 "$(gpus_ "$ngpu")" 0.1b --steps 3 --warmup 1 --set train.batch_size=1 \
-    train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 \
-    mesh.sequence="$ngpu"
+elif [ "$part" = spn ]; then         # AB=1: .peer/rev's tree first, as in scale_
+  trees=$PWD; [ -n "${AB:-}" ] && trees="$PWD/.peer/rev $PWD"
+  for tree in $trees; do
+    PYTHONPATH=$tree case_ 200 "$(gpus_ "$ngpu")" 0.1b --steps 3 --warmup 1 \
+      --set train.batch_size=1 train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true \
+      mesh.data=1 mesh.sequence="$ngpu"
+  done
 elif [ "$part" = longestn ]; then  # searched in multiples of 512k tokens, then trained
   timeout 560 python3 benchmarks/longest_context.py --search-untuned \
     --model 0.1b --lo 1048576 --hi $((ngpu * 1572864)) --multiple 524288 --run \
