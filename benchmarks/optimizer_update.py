@@ -7,7 +7,7 @@ step donates its state):
 
 - `inside`: the train step's form: one gradient norm for the clip, the metric and the check;
   the guard folded into the update (`apply=finite`, the learning rate 0 where not finite;
-  `lwm_jax.train.optimizer`);
+  `lwm_jax.train.optimizer.guarded_update`, which the step calls);
 - `select`: the form before 2026-11-26: an all-finite reduction, the update (its clip computing
   the norm again), then `where(finite, new, old)` on every leaf;
 - `cond`: `lax.cond(finite, update, keep)`;
@@ -44,6 +44,7 @@ def main() -> None:
 
     from train_step import case_config
     from lwm_jax.loss_scale import all_finite
+    from lwm_jax.train.optimizer import guarded_update
     from lwm_jax.train.params import count_params
     from lwm_jax.train.trainer import build_program
 
@@ -61,11 +62,9 @@ def main() -> None:
         return optax.apply_updates(params, updates), opt_state
 
     def inside(params, opt_state, g, step):
-        norm = optax.tree.norm(g)
-        finite = jnp.isfinite(norm)
-        updates, opt_state = prog.tx.update(g, opt_state, params, apply=finite, grad_norm=norm,
-                                            lr=jnp.where(finite, prog.lr_at(step), 0.0))
-        return optax.apply_updates(params, updates), opt_state, norm
+        params, opt_state, norm, _ = guarded_update(prog.tx, g, opt_state, params,
+                                                    prog.lr_at(step))
+        return params, opt_state, norm
 
     def select(params, opt_state, g, step):
         finite = all_finite(g)

@@ -129,6 +129,27 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArg
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
+def guarded_update(tx: optax.GradientTransformationExtraArgs, grads: Any, opt_state: Any,
+                   params: Any, lr: jax.Array, loss: jax.Array | None = None):
+    """The train step's update of `params` by `tx` (`make_optimizer`'s chain), skipped where
+    the loss or the gradient is not finite: `(params, opt_state, grad_norm, finite)`.
+
+    One pass over the gradient gives its float32 global norm, for the clip, the `grad_norm`
+    metric and the check: a NaN/inf anywhere makes it non-finite (so does a norm beyond
+    float32's range, ~1.8e19). Where not finite the params and moments come back unchanged
+    (learning rate 0, moments and count kept by `scale_by_adam_f32`'s `apply`): guarding inside
+    the update, not by selecting between the new and old state after it, keeps it one pass over
+    params and moments. `loss`: float scalar also checked (None: the gradient alone).
+    """
+    grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    finite = jnp.isfinite(grad_norm)
+    if loss is not None:
+        finite = finite & jnp.isfinite(loss)
+    updates, opt_state = tx.update(grads, opt_state, params, lr=jnp.where(finite, lr, 0.0),
+                                   apply=finite, grad_norm=grad_norm)
+    return optax.apply_updates(params, updates), opt_state, grad_norm, finite
+
+
 def applied_updates(opt_state: Any) -> jax.Array:
     """int32 count of updates the optimizer has applied (fp16-skipped steps excluded)."""
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, AdamF32State))

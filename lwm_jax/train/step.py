@@ -32,7 +32,7 @@ from lwm_jax.layers.layout import activation_spec
 from lwm_jax.loss_scale import DynamicLossScale, NoLossScale
 from lwm_jax.models.registry import loss_head
 from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
-from lwm_jax.train.optimizer import applied_updates
+from lwm_jax.train.optimizer import applied_updates, guarded_update
 from lwm_jax.train.sharding import replicated, tokens_sharding
 
 
@@ -144,20 +144,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtr
     def step(state: TrainState, tokens):
         loss, grads = gradients(state.params, tokens, state.loss_scale)
         grads = state.loss_scale.unscale(grads)
-        # one pass over the gradient gives its norm for the clip, the metric and the guard: a
-        # NaN/inf anywhere makes it non-finite (so does a norm beyond float32's range, ~1.8e19)
-        grad_norm = optax.tree.norm(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         lr = lr_at(state.step)
+        # non-finite loss or gradient (fp16 overflow, divergence): params and moments unchanged
+        # (under fp16 the scale is halved below)
         with jax.named_scope("optimizer"):
-            # Non-finite loss or gradient (fp16 overflow, divergence): the params and moments
-            # come back unchanged (learning rate 0, moments kept by `apply`; under fp16 the
-            # scale is halved below). Guarding inside the update, not by selecting between the
-            # new and old state after it, keeps it one pass over params and moments.
-            updates, opt_state = tx.update(grads, state.opt_state, state.params,
-                                           lr=jnp.where(finite, lr, 0.0), apply=finite,
-                                           grad_norm=grad_norm)
-            params = optax.apply_updates(state.params, updates)
+            params, opt_state, grad_norm, finite = guarded_update(
+                tx, grads, state.opt_state, state.params, lr, loss)
         new_state = TrainState(state.step + 1, params, opt_state,
                                state.loss_scale.adjust(finite), state.rng)
         scale = getattr(new_state.loss_scale, "scale", jnp.ones([], jnp.float32))
