@@ -26,7 +26,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.norms import GroupNorm, group_norm
-from lwm_jax.layers.shift import token_shift
+from lwm_jax.layers.shift import token_shift_mixes
 from lwm_jax.ops import wkv7
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
 from lwm_jax.precision import param_add, param_mul
@@ -169,10 +169,10 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     N = head_size
     H = C // N
     x = x_BTC.astype(cd)
-    xx = token_shift(x, shift_BC, segment_ids_BT) - x
-    # per-channel parameters meet 16-bit activations through param_mul / param_add: same
-    # forward, their gradients summed over the tokens in float32
-    xr, xw, xk, xv, xa, xg = (x + param_mul(xx, p[m]) for m in MIX_NAMES)
+    # per-channel parameters meet 16-bit activations through token_shift_mixes / param_mul /
+    # param_add: same forward, their gradients summed over the tokens in float32
+    xr, xw, xk, xv, xa, xg = token_shift_mixes(x, shift_BC, [p[m] for m in MIX_NAMES],
+                                               segment_ids_BT)
 
     r = policy.einsum("btc,cd->btd", xr, p["receptance"])
     k = policy.einsum("btc,cd->btd", xk, p["key"])
