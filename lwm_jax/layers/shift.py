@@ -45,8 +45,8 @@ def token_shift_mixes(x_BTC, prev_BC, mus, segment_ids_BT=None):
     Args:
       x_BTC: `[B, T, C]` inputs (any float dtype).
       prev_BC: `[B, C]` the token before position 0 (as `token_shift`).
-      mus: sequence of parameters, each shaped as x's trailing dims (e.g. `[C]`), any float
-        dtype; their gradients come back in their own dtypes.
+      mus: non-empty sequence of parameters of one shape, x's trailing dims (e.g. `[C]`), any
+        float dtype; their gradients come back in their own dtypes.
       segment_ids_BT: optional int `[B, T]` (as `token_shift`).
     Returns:
       tuple of `[B, T, C]` arrays in x's dtype, one per mu.
@@ -58,6 +58,9 @@ def token_shift_mixes(x_BTC, prev_BC, mus, segment_ids_BT=None):
         if mu.ndim > x_BTC.ndim or tuple(x_BTC.shape[x_BTC.ndim - mu.ndim:]) != tuple(mu.shape):
             raise ValueError(f"token_shift_mixes: mix shape {tuple(mu.shape)} is not the "
                              f"trailing dims of the activations' {tuple(x_BTC.shape)}")
+        if mu.shape != mus[0].shape:
+            raise ValueError(f"token_shift_mixes: mixes of different shapes {tuple(mu.shape)} "
+                             f"and {tuple(mus[0].shape)}; pass one shape per call")
     xx = token_shift(x_BTC, prev_BC, segment_ids_BT) - x_BTC
     return _mixes(x_BTC, xx, mus)
 
@@ -74,7 +77,7 @@ def _mixes_fwd(x, xx, mus):
 def _mixes_bwd(res, gs):
     xx, mus = res
     f32 = jnp.float32
-    lead = tuple(range(xx.ndim - mus[0].ndim)) if mus else ()
+    lead = tuple(range(xx.ndim - mus[0].ndim))
     g32 = [g.astype(f32) for g in gs]
     xx32 = xx.astype(f32)
     # one reduction of the stacked products `[M, B, T, C]`: XLA fuses the stack and the

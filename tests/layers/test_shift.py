@@ -81,3 +81,5 @@ def test_bad_mix_shape_is_one_line():
         token_shift_mixes(x, prev, [jnp.ones((C + 1,))])
     with pytest.raises(ValueError, match="at least one"):
         token_shift_mixes(x, prev, [])
+    with pytest.raises(ValueError, match="different shapes"):
+        token_shift_mixes(x, prev, [jnp.ones((C,)), jnp.ones((T, C))])
