@@ -19,6 +19,9 @@
 #                                                 # across them vs data.reset_at_document_boundary
 #   bash tools/device_throughput.sh longest [..]  # 0.1B: the longest context one GPU trains
 #                                                 # (remat + layer scan; compile-only search)
+#   bash tools/device_throughput.sh remat15 [K..] # 1.5B fast runtime (no layer scan, save_dots)
+#                                                 # with runtime.remat_layers = each K (default
+#                                                 # 2 1 0): step time against peak memory
 #   bash tools/device_throughput.sh ab MODEL [..] # same-call A/B: .peer/rev's lwm_jax (an older
 #                                                 # commit) against this tree, twice, alternating
 #                                                 # (AB_REPS=1: once each, for long cases)
@@ -88,6 +91,12 @@ case "$mode" in
     timeout 560 python3 benchmarks/longest_context.py --search-untuned \
       --model 0.1b --lo 1048576 --hi 4194304 --multiple 262144 --run --out "$OUT/longest.jsonl" \
       --set runtime.remat=true runtime.scan_layers=true "$@" ;;
+  remat15)
+    # each case compiles the unrolled 1.5B step (~110-130 s): three fit one call
+    for k in ${@:-2 1 0}; do
+      python3 benchmarks/train_step.py --models 1.5b --steps 8 --out "$OUT/remat15.jsonl" \
+        --set runtime.scan_layers=false runtime.remat_policy=save_dots runtime.remat_layers="$k"
+    done ;;
   ab)
     model=${1:?usage: $0 ab 0.1b|1.5b [train_step.py args]}; shift
     test -d .peer/rev/lwm_jax || { echo "ab: no .peer/rev/lwm_jax (see the header)" >&2; exit 2; }
@@ -96,6 +105,6 @@ case "$mode" in
         --out "$OUT/ab_rev.jsonl" "$@"
       python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
     done ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|peer-tune MODEL|precisions|reset|longest|ab MODEL [train_step.py args]" >&2
+  *) echo "usage: $0 prefill|profile|train MODEL|peer-tune MODEL|precisions|reset|longest|remat15 [K..]|ab MODEL [train_step.py args]" >&2
      exit 2 ;;
 esac
