@@ -45,15 +45,12 @@ def test_gradients_against_float64(dtype):
     function (mixes rounded to x's dtype, as the forward uses them); never less exact than
     one `param_mul` per mix, and the mixes' sums float32-exact."""
     x, prev, mus, gs, seg = _inputs(dtype, seed=1)
-    jax.config.update("jax_enable_x64", True)
-    try:
+    with jax.enable_x64(True):
         f64 = lambda t: jax.tree.map(lambda a: jnp.asarray(a, jnp.float64), t)  # noqa: E731
         used = [mu.astype(dtype) for mu in mus]
         ref = jax.vjp(lambda *a: _per_mix(*a, seg), *f64((x, prev, used)))[1](f64(gs))
         new = jax.vjp(lambda *a: token_shift_mixes(*a, seg), x, prev, mus)[1](gs)
         old = jax.vjp(lambda *a: _per_mix(*a, seg), x, prev, mus)[1](gs)
-    finally:
-        jax.config.update("jax_enable_x64", False)
     rounding = 4e-3 if dtype == jnp.bfloat16 else 1e-6
     for got, was, want in zip(new[:2], old[:2], ref[:2]):        # d x, d prev
         assert _rel(got, want) <= max(_rel(was, want), rounding)
