@@ -252,18 +252,19 @@ def param_mul(x, p):
     in a sequential fold, 8192 in XLA's split one). The forward and x's gradient are those of
     the plain product, bit for bit.
     """
-    _check_trailing(x, p, "param_mul")
+    check_trailing(x, p, "param_mul")
     return _param_mul(x, p)
 
 
 def param_add(x, p):
     """`x + p` in x's dtype for a bias `p` shaped as x's trailing dims; p's gradient (the
     incoming cotangent summed over x's leading axes) is accumulated in float32 (`param_mul`)."""
-    _check_trailing(x, p, "param_add")
+    check_trailing(x, p, "param_add")
     return _param_add(x, p)
 
 
-def _check_trailing(x, p, name):
+def check_trailing(x, p, name):
+    """Raise a one-line ValueError (prefixed `name`) unless `p`'s shape is `x`'s trailing dims."""
     if p.ndim > x.ndim or tuple(x.shape[x.ndim - p.ndim:]) != tuple(p.shape):
         raise ValueError(f"{name}: parameter shape {tuple(p.shape)} is not the trailing dims of "
                          f"the activations' {tuple(x.shape)}")

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.ops.segments import reset_flags
+from lwm_jax.precision import check_trailing
 
 
 def token_shift(x_BTC, prev_BC, segment_ids_BT=None):
@@ -55,9 +56,7 @@ def token_shift_mixes(x_BTC, prev_BC, mus, segment_ids_BT=None):
     if not mus:
         raise ValueError("token_shift_mixes: needs at least one mix parameter")
     for mu in mus:
-        if mu.ndim > x_BTC.ndim or tuple(x_BTC.shape[x_BTC.ndim - mu.ndim:]) != tuple(mu.shape):
-            raise ValueError(f"token_shift_mixes: mix shape {tuple(mu.shape)} is not the "
-                             f"trailing dims of the activations' {tuple(x_BTC.shape)}")
+        check_trailing(x_BTC, mu, "token_shift_mixes")
         if mu.shape != mus[0].shape:
             raise ValueError(f"token_shift_mixes: mixes of different shapes {tuple(mu.shape)} "
                              f"and {tuple(mus[0].shape)}; pass one shape per call")

@@ -74,7 +74,7 @@ def test_one_reduction_for_all_mixes():
 
 def test_bad_mix_shape_is_one_line():
     x, prev, mus, _, _ = _inputs(jnp.float32)
-    with pytest.raises(ValueError, match="token_shift_mixes: mix shape"):
+    with pytest.raises(ValueError, match="token_shift_mixes: parameter shape"):
         token_shift_mixes(x, prev, [jnp.ones((C + 1,))])
     with pytest.raises(ValueError, match="at least one"):
         token_shift_mixes(x, prev, [])
