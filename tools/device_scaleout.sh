@@ -20,6 +20,8 @@
 #   bash tools/device_scaleout.sh fsdpn [MODEL] # FSDP (ZeRO-3): 1 GPU, then 2 -> 4 (-> 8), kept flags
 #   bash tools/device_scaleout.sh spn           # 0.1B at 1,048,576 tokens on N GPUs (sequence=N)
 #   bash tools/device_scaleout.sh longestn      # the longest 0.1B context N GPUs train
+#   bash tools/device_scaleout.sh alln          # one call: 1 GPU and N GPUs (FSDP, data) of both
+#        models, .peer/rev's tree before this one for 0.1B FSDP, then spn (both trees) as time allows
 #   AB=1 bash tools/device_scaleout.sh dpn|fsdpn|spn [MODEL]  # each multi-GPU case twice, same call:
 #        .peer/rev's lwm_jax (an older commit, as for device_throughput.sh ab), then this tree
 #
@@ -148,6 +150,25 @@ elif [ "$part" = dpn ]; then      # same call: 1, 2, 4 (, 8) GPUs at the same pe
 elif [ "$part" = fsdpn ]; then    # same call: 1 GPU, then FSDP over 2, 4 (, 8)
   [ "${2:-1.5b}" = 1.5b ] && scale_ 1.5b 2 fsdp 2
   [ "${2:-0.1b}" = 0.1b ] && scale_ 0.1b 8 fsdp 2
+elif [ "$part" = alln ]; then     # what of N GPUs one call (< 10 min) holds, in this order
+  t0=$SECONDS; n=$ngpu; all=$(gpus_ "$ngpu")
+  left() { [ $((SECONDS - t0)) -lt "$1" ] || { echo "alln: skipped the rest at $((SECONDS - t0)) s"; false; }; }
+  sp() { PYTHONPATH=$1 case_ 130 "$all" 0.1b --steps 3 --warmup 1 --set train.batch_size=1 \
+    train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence="$n"; }
+  case_ 150 0 0.1b --steps 8 --set train.batch_size=8
+  for tree in "$PWD/.peer/rev" "$PWD"; do
+    PYTHONPATH=$tree XLA_FLAGS="$BEST" case_ 150 "$all" 0.1b --steps 8 \
+      --set train.batch_size=$((8 * n)) mesh.data=1 mesh.fsdp="$n"
+  done
+  XLA_FLAGS="$BEST" case_ 150 "$all" 0.1b --steps 8 --set train.batch_size=$((8 * n)) mesh.data="$n"
+  case_ 150 0 1.5b --steps 8 --set train.batch_size=2
+  XLA_FLAGS="$BEST" case_ 150 "$all" 1.5b --steps 8 --set train.batch_size=$((2 * n)) mesh.data=1 \
+    mesh.fsdp="$n"
+  left 450 && sp "$PWD"
+  left 450 && XLA_FLAGS="$BEST" case_ 120 "$all" 1.5b --steps 8 --set train.batch_size=$((2 * n)) \
+    mesh.data="$n"
+  left 450 && sp "$PWD/.peer/rev"
+  echo "alln: $((SECONDS - t0)) s"
 elif [ "$part" = spn ]; then         # AB=1: .peer/rev's tree first, as in scale_
   trees=$PWD; [ -n "${AB:-}" ] && trees="$PWD/.peer/rev $PWD"
   for tree in $trees; do
