@@ -14,7 +14,10 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `gpu` need compiled CUDA kernels: skip them cleanly elsewhere."""
+    """Tests marked `slow` run first (longest-first keeps the two xdist workers busy to the
+    end instead of leaving one idle behind a long test collected last). Tests marked `gpu` need
+    compiled CUDA kernels: skip them cleanly elsewhere."""
+    items.sort(key=lambda item: "slow" not in item.keywords)       # stable: order kept otherwise
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() is "

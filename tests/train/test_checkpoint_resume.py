@@ -48,6 +48,7 @@ def _steps_on_disk(ckpt_dir):
     return sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
 
 
+@pytest.mark.slow
 def test_resume_is_exact(tmp_path, data_prefix):
     common = [*SMALL, "train.steps=20", f"data.path={data_prefix}", "checkpoint.every=5"]
     full = train(load_config(None, [*common, f"run_dir={tmp_path / 'full'}"]), progress=False)

@@ -72,7 +72,7 @@ def first_gradient(opt_state, beta1):
     return jax.tree.map(lambda m: m / (1 - beta1), adam.mu)
 
 
-@pytest.mark.parametrize("family", ["rwkv7", "llama"])
+@pytest.mark.parametrize("family", [pytest.param("rwkv7", marks=pytest.mark.slow), "llama"])
 def test_packed_documents_train_like_separate_documents(family):
     base = (RWKV if family == "rwkv7" else LLAMA) + COMMON
     on = build_program(load_config(None, base + ["data.reset_at_document_boundary=true"]))

@@ -56,6 +56,7 @@ def _records(run_dir):
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow
 def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
     one = _finish(_train(tmp_path / "one", _env(2), "mesh.data=2"))
     assert "resumed" not in one

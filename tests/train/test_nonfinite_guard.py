@@ -65,6 +65,7 @@ def test_skip_watch_counts_runs_one_step_late():
     assert not SkipWatch(limit=0).push(1, bad, None) and not SkipWatch(0).flush()
 
 
+@pytest.mark.slow
 def test_diverging_run_stops_names_the_op_and_checkpoints_only_finite_params(tmp_path, capsys):
     cfg = load_config(None, [*DIVERGE, "train.max_consecutive_skips=3",
                              f"run_dir={tmp_path / 'run'}"])

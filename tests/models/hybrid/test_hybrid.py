@@ -140,6 +140,7 @@ def compile_cache(tmp_path_factory):
     return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile-hybrid"))
 
 
+@pytest.mark.slow
 def test_hybrid_config_trains_and_resumes(tmp_path, compile_cache):
     """`configs/rwkv7-hybrid-tiny.yaml` through the trainer: the loss falls, a split run
     resumes to the same losses, and the checkpoint loads back as a hybrid."""

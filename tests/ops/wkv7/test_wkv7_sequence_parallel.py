@@ -154,6 +154,7 @@ def results():
     return json.loads(line[len("RESULTS "):])
 
 
+@pytest.mark.slow       # the module's cases are computed together first (~70 s)
 @pytest.mark.parametrize("name", list(CASES))
 def test_matches_unsharded_op(results, name):
     """Outputs, final state and every gradient equal the unsharded op (both implementations)."""
