@@ -83,6 +83,11 @@ scale_() {   # scale_ MODEL PER_GPU_BATCH MESH_AXIS FIRST_N: 1 GPU, then FIRST_N
     n=$((n * 2))
   done
 }
+sp_() {      # sp_ TREE TIMEOUT: 0.1B at 1,048,576 tokens over all GPUs (mesh.sequence=N), TREE's lwm_jax
+  PYTHONPATH=$1 case_ "$2" "$(gpus_ "$ngpu")" 0.1b --steps 3 --warmup 1 --set train.batch_size=1 \
+    train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 \
+    mesh.sequence="$ngpu"
+}
 part=${1:-dp}
 if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
   if [ "${2:-0.1b}" = 0.1b ]; then
@@ -153,8 +158,6 @@ elif [ "$part" = fsdpn ]; then    # same call: 1 GPU, then FSDP over 2, 4 (, 8)
 elif [ "$part" = alln ]; then     # what of N GPUs one call (< 10 min) holds, in this order
   t0=$SECONDS; n=$ngpu; all=$(gpus_ "$ngpu")
   left() { [ $((SECONDS - t0)) -lt "$1" ] || { echo "alln: skipped the rest at $((SECONDS - t0)) s"; false; }; }
-  sp() { PYTHONPATH=$1 case_ 130 "$all" 0.1b --steps 3 --warmup 1 --set train.batch_size=1 \
-    train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true mesh.data=1 mesh.sequence="$n"; }
   case_ 150 0 0.1b --steps 8 --set train.batch_size=8
   for tree in "$PWD/.peer/rev" "$PWD"; do
     PYTHONPATH=$tree XLA_FLAGS="$BEST" case_ 150 "$all" 0.1b --steps 8 \
@@ -164,17 +167,15 @@ elif [ "$part" = alln ]; then     # what of N GPUs one call (< 10 min) holds, in
   case_ 150 0 1.5b --steps 8 --set train.batch_size=2
   XLA_FLAGS="$BEST" case_ 150 "$all" 1.5b --steps 8 --set train.batch_size=$((2 * n)) mesh.data=1 \
     mesh.fsdp="$n"
-  left 450 && sp "$PWD"
+  left 450 && sp_ "$PWD" 130
   left 450 && XLA_FLAGS="$BEST" case_ 120 "$all" 1.5b --steps 8 --set train.batch_size=$((2 * n)) \
     mesh.data="$n"
-  left 450 && sp "$PWD/.peer/rev"
+  left 450 && sp_ "$PWD/.peer/rev" 130
   echo "alln: $((SECONDS - t0)) s"
 elif [ "$part" = spn ]; then         # AB=1: .peer/rev's tree first, as in scale_
   trees=$PWD; [ -n "${AB:-}" ] && trees="$PWD/.peer/rev $PWD"
   for tree in $trees; do
-    PYTHONPATH=$tree case_ 200 "$(gpus_ "$ngpu")" 0.1b --steps 3 --warmup 1 \
-      --set train.batch_size=1 train.ctx_len=1048576 runtime.remat=true runtime.scan_layers=true \
-      mesh.data=1 mesh.sequence="$ngpu"
+    sp_ "$tree" 200
   done
 elif [ "$part" = longestn ]; then  # searched in multiples of 512k tokens, then trained
   timeout 560 python3 benchmarks/longest_context.py --search-untuned \
