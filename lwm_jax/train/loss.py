@@ -22,8 +22,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS
+from lwm_jax.ops.xent import vocab_block, xent_pallas
 
 L2WRAP_FACTOR = 1e-4
+XENT_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 @jax.named_scope("loss")
@@ -116,7 +118,8 @@ def max_argmax_logsumexp(logits_BnV: jax.Array):
 
 
 def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets_BT: jax.Array,
-                  *, chunk_tokens: int, use_l2wrap: bool, mesh=None) -> jax.Array:
+                  *, chunk_tokens: int, use_l2wrap: bool, mesh=None,
+                  xent_impl: str = "auto") -> jax.Array:
     """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
 
     The positions are cut into the fewest chunks of at most `chunk_tokens` tokens (at most
@@ -136,18 +139,32 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
       use_l2wrap: add L2Wrap's gradient (the loss value is unchanged).
       mesh: the device mesh the step runs on, or None. With B or T split over devices each
         device sums its own tokens' head gradient across the chunks (`_DeviceGroups`).
+      xent_impl: how each chunk's statistics and logits gradient are computed: "xla" (plain
+        JAX, `lwm_jax.ops.xent.xent_reference`'s math: two passes over the logits), "pallas"
+        (`xent_pallas`: one kernel, the logits read once from HBM where the L2 cache holds
+        them), "interpret" (the kernel in the Pallas interpreter, for tests) or "auto":
+        "pallas" on one GPU when the vocabulary allows it (`vocab_block`), else "xla".
     Returns:
       float32 scalar, the mean cross-entropy in nats (equal to `lm_loss` up to summation order).
     """
-    return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, targets_BT)
+    if xent_impl not in XENT_IMPLS:
+        raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, got {xent_impl!r}")
+    if xent_impl == "auto":
+        one_device = mesh is None or mesh.size == 1
+        probe = jax.ShapeDtypeStruct((x_BTC.shape[0], 1, x_BTC.shape[2]), x_BTC.dtype)
+        vocab = jax.eval_shape(head_fn, probe, head_params).shape[-1]
+        xent_impl = ("pallas" if jax.default_backend() == "gpu" and one_device
+                     and vocab_block(vocab) is not None else "xla")
+    return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
+                  targets_BT)
 
 
 def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
                           targets_BT: jax.Array, *, chunk_tokens: int, mesh=None) -> jax.Array:
     """Mean cross-entropy (float32, nats) of `head_fn(x, head_params)` computed chunk by chunk
     (as `fused_lm_loss`, without gradients: for evaluation)."""
-    return _fused_forward(head_fn, chunk_tokens, False, mesh, x_BTC, head_params, targets_BT,
-                          with_grad=False)[0]
+    return _fused_forward(head_fn, chunk_tokens, False, mesh, "xla", x_BTC, head_params,
+                          targets_BT, with_grad=False)[0]
 
 
 class _DeviceGroups:
@@ -195,8 +212,8 @@ class _DeviceGroups:
 
 
 @jax.named_scope("loss")
-def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, targets_BT,
-                   with_grad=True):
+def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
+                   targets_BT, with_grad=True):
     B, T, C = x_BTC.shape
     NC = -(-T // max(1, min(T, chunk_tokens // B)))   # chunks of at most chunk_tokens // B
     n = -(-T // NC)                                    # positions per chunk, evened out:
@@ -215,24 +232,40 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, 
         """One chunk's (loss share, dx, head gradient) at unit scale (see below)."""
         logits_BnV, pullback = jax.vjp(lambda x, p: head_fn(x, p), x_BnC, head_params)
         logits_BnV = logits_BnV.astype(jnp.float32)
-        # one reading of the [B, n, V] chunk gives the argmax, the max (the log-sum-exp's
-        # shift and L2Wrap's value) and the log-sum-exp; the gradient below is the second
-        top_idx_Bn, top_Bn, lse_Bn = max_argmax_logsumexp(logits_BnV)
-        target_Bn = jnp.take_along_axis(logits_BnV, tgt_Bn[..., None], axis=-1)[..., 0]
         weight_Bn = valid_n[None, :] * inv_total
-        loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
-        if not with_grad:
-            return loss_part, None, None
-        vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BnV.shape, 2)
-        d_logits = jnp.exp(logits_BnV - lse_Bn[..., None]) - (vocab_ids == tgt_Bn[..., None])
-        if use_l2wrap:
-            at_top = vocab_ids == top_idx_Bn[..., None]
-            d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None], 0.0)
+        if with_grad and xent_impl in ("pallas", "interpret"):
+            # statistics and the scaled gradient in one kernel (`lwm_jax.ops.xent`), written in
+            # the dtype the head's backward products round the cotangent to (x's: the compute
+            # dtype), then widened for the pullback: the same bits reach the products
+            Bc, nc, V = logits_BnV.shape
+            lse, target, _, _, d = xent_pallas(
+                logits_BnV.reshape(Bc * nc, V), tgt_Bn.reshape(Bc * nc),
+                jnp.broadcast_to(valid_n[None, :], (Bc, nc)).reshape(Bc * nc),
+                l2wrap=L2WRAP_FACTOR if use_l2wrap else None, grad_dtype=x_BnC.dtype,
+                interpret=xent_impl == "interpret")
+            loss_part = jnp.sum((lse - target).reshape(Bc, nc) * weight_Bn)
+            d_logits = d.reshape(Bc, nc, V).astype(jnp.float32)
+        else:
+            # one reading of the [B, n, V] chunk gives the argmax, the max (the log-sum-exp's
+            # shift and L2Wrap's value) and the log-sum-exp; the gradient below is the second
+            top_idx_Bn, top_Bn, lse_Bn = max_argmax_logsumexp(logits_BnV)
+            target_Bn = jnp.take_along_axis(logits_BnV, tgt_Bn[..., None], axis=-1)[..., 0]
+            loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
+            if not with_grad:
+                return loss_part, None, None
+            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BnV.shape, 2)
+            d_logits = (jnp.exp(logits_BnV - lse_Bn[..., None])
+                        - (vocab_ids == tgt_Bn[..., None]))
+            if use_l2wrap:
+                at_top = vocab_ids == top_idx_Bn[..., None]
+                d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None],
+                                                0.0)
+            d_logits = d_logits * valid_n[None, :, None]
         # pulled back at unit scale (each position's d_logits in [-1, 1] plus L2Wrap's term),
         # the 1 / (B T) of the mean applied after in float32: the head's gradient products
         # take 16-bit operands under a 16-bit policy, where 1e-5-sized cotangents would
         # lose their bits (fp16) to the scale alone
-        dx_BnC, d_p = pullback(d_logits * valid_n[None, :, None])
+        dx_BnC, d_p = pullback(d_logits)
         return loss_part, dx_BnC.astype(jnp.float32), jax.tree.map(
             lambda a: a.astype(jnp.float32), d_p)
 
@@ -272,20 +305,21 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, 
     return loss, (dx_BTC, d_head)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _fused(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, targets_BT):
-    return _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params,
-                          targets_BT)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params, targets_BT):
+    return _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC,
+                          head_params, targets_BT)[0]
 
 
-def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params, targets_BT):
-    loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, x_BTC, head_params,
-                                 targets_BT)
+def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
+               targets_BT):
+    loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC,
+                                 head_params, targets_BT)
     protos = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (x_BTC, head_params))  # dtypes
     return loss, (grads, protos, targets_BT)
 
 
-def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, mesh, res, g):
+def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, res, g):
     # the gradients are kept in float32 and scaled by the cotangent (a loss scale under
     # fp16-mixed) before they are cast to their operands' dtypes
     (dx_BTC, d_head), (x_proto, protos), targets_BT = res

@@ -1,0 +1,126 @@
+"""Cross-entropy statistics and the logits gradient of one loss chunk in one kernel.
+
+For float32 logits `[N, V]` (N rows = tokens), integer targets `[N]` and a per-row scale `[N]`:
+
+    top_idx, top = argmax, max of each row (ties: the smallest index)
+    lse          = log(sum(exp(logits)))                     (online: running max and sum)
+    target       = logits[row, target]
+    d_logits     = (softmax(logits) - onehot(target) + [L2Wrap: l2wrap * top at top_idx]) * scale
+
+`xent_reference` is that in plain JAX. `xent_pallas` is one Pallas-Triton program per row:
+pass 1 reads the row block by block for the statistics, pass 2 reads it again, last block
+first (the blocks pass 1 read last are the likeliest to still be in L2), and writes the
+gradient in `grad_dtype`. In the training step's fused loss XLA runs the same work as two
+fusions (a variadic max / argmax / log-sum-exp reduction, then the gradient), and the
+reduction reaches ~2.3 TB/s; the kernel moves the same bytes (two reads, one write) at
+~2.9 TB/s on an H100 (benchmarks/xent.py; step numbers in benchmarks/RESULTS.md, session 19).
+A NaN or +inf logit makes the row's `lse` NaN and a target outside [0, V) its `target` NaN,
+so the loss is NaN (as in the XLA form) and the step's non-finite guard skips it.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+MAX_BLOCK = 4096      # logits per row read per loop step (16 KiB)
+MIN_BLOCK = 2048      # smaller blocks (vocabularies like 32000 = 2^8 x 125) are not measured
+
+
+def vocab_block(V: int) -> int | None:
+    """The largest power of two <= MAX_BLOCK dividing V, or None below MIN_BLOCK (the kernel
+    then does not apply: `xent_pallas` raises, the loss uses the XLA form)."""
+    block = MAX_BLOCK
+    while block >= MIN_BLOCK:
+        if V % block == 0:
+            return block
+        block //= 2
+    return None
+
+
+def xent_reference(logits_NV, targets_N, scale_N, *, l2wrap: float | None, grad_dtype):
+    """Plain-JAX statistics and gradient; returns `(lse, target, top, top_idx, d_logits)`:
+    float32 `[N]` x 3, int32 `[N]`, `[N, V]` in `grad_dtype`. `l2wrap`: L2Wrap's factor or
+    None (no L2Wrap term)."""
+    logits = logits_NV.astype(_F32)
+    top = jnp.max(logits, axis=-1)
+    top_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    target = jnp.take_along_axis(logits, targets_N[:, None], axis=-1)[:, 0]
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    d = jnp.exp(logits - lse[:, None]) - (ids == targets_N[:, None])
+    if l2wrap is not None:
+        d = d + jnp.where(ids == top_idx[:, None], (l2wrap * top)[:, None], 0.0)
+    return lse, target, top, top_idx, (d * scale_N[:, None]).astype(grad_dtype)
+
+
+def _kernel(x_ref, t_ref, s_ref, lse_ref, tgt_ref, top_ref, idx_ref, g_ref, *, V, block,
+            l2wrap):
+    """One row: x_ref `[V]` float32 logits, t_ref / s_ref `[1]` target and scale; writes the
+    four statistics (`[1]` each) and g_ref `[V]`."""
+    n_blocks = V // block
+    iota = jax.lax.broadcasted_iota(jnp.int32, (block,), 0)
+
+    def stats(j, carry):
+        m, s, idx = carry
+        x = x_ref[pl.ds(j * block, block)]
+        bm = jnp.max(x)
+        bidx = jnp.min(jnp.where(x == bm, iota, block)) + j * block
+        new_m = jnp.maximum(m, bm)
+        s = s * jnp.exp(m - new_m) + jnp.sum(jnp.exp(x - new_m))
+        return new_m, s, jnp.where(bm > m, bidx, idx)
+
+    init = (jnp.float32(-jnp.inf), jnp.float32(0.0), jnp.int32(0))
+    top, total, top_idx = jax.lax.fori_loop(0, n_blocks, stats, init)
+    lse = top + jnp.log(total)
+    t = jnp.sum(t_ref[...])
+    scale = jnp.sum(s_ref[...])
+
+    def grad(i, _):
+        j = n_blocks - 1 - i       # backwards: the blocks pass 1 read last are likeliest in L2
+        x = x_ref[pl.ds(j * block, block)]
+        ids = iota + j * block
+        d = jnp.exp(x - lse) - jnp.where(ids == t, 1.0, 0.0)
+        if l2wrap is not None:
+            d = d + jnp.where(ids == top_idx, l2wrap * top, 0.0)
+        g_ref[pl.ds(j * block, block)] = (d * scale).astype(g_ref.dtype)
+        return 0
+
+    jax.lax.fori_loop(0, n_blocks, grad, 0)
+    lse_ref[...] = jnp.full((1,), lse, _F32)
+    # a target outside [0, V) reads nothing and gives NaN (as the XLA form's gather does)
+    in_range = (t >= 0) & (t < V)
+    picked = jnp.sum(x_ref[pl.ds(jnp.clip(t, 0, V - 1), 1)])
+    tgt_ref[...] = jnp.full((1,), jnp.where(in_range, picked, jnp.nan), _F32)
+    top_ref[...] = jnp.full((1,), top, _F32)
+    idx_ref[...] = jnp.full((1,), top_idx, jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnames=("l2wrap", "grad_dtype", "interpret", "num_warps",
+                                             "block"))
+def xent_pallas(logits_NV, targets_N, scale_N, *, l2wrap: float | None, grad_dtype,
+                interpret: bool = False, num_warps: int = 8, block: int | None = None):
+    """`xent_reference` as one Pallas-Triton program per row (see the module docstring). Same
+    arguments and results; V must be a multiple of MIN_BLOCK (`vocab_block`).
+    `num_warps`, `block` (logits per loop step, default `vocab_block(V)`): launch tuning."""
+    N, V = logits_NV.shape
+    block = block or vocab_block(V)
+    if block is None or V % block:
+        raise ValueError(f"xent_pallas: vocabulary size {V} is not a multiple of "
+                         f"{block or MIN_BLOCK}; use xent_reference (loss: xent_impl='xla')")
+    row = pl.BlockSpec((pl.squeezed, V), lambda i: (i, 0))
+    one = pl.BlockSpec((1,), lambda i: (i,))
+    kernel = functools.partial(_kernel, V=V, block=block, l2wrap=l2wrap)
+    lse, target, top, top_idx, d = pl.pallas_call(
+        kernel, grid=(N,), in_specs=[row, one, one], out_specs=[one, one, one, one, row],
+        out_shape=[jax.ShapeDtypeStruct((N,), _F32), jax.ShapeDtypeStruct((N,), _F32),
+                   jax.ShapeDtypeStruct((N,), _F32), jax.ShapeDtypeStruct((N,), jnp.int32),
+                   jax.ShapeDtypeStruct((N, V), grad_dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=2),
+        interpret=interpret, name="xent_rows",
+    )(logits_NV.astype(_F32), targets_N.astype(jnp.int32), scale_N.astype(_F32))
+    return lse, target, top, top_idx, d
