@@ -18,8 +18,8 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
                             (1, 1024, 4, 64). Compile time is what a user of the `fp32` policy
                             waits for before the first step.
   breakdown --shape B T H D each launch timed alone, for the launch variants listed below.
-  sweep --variants JSON     intra_bwd / seq_fwd / seq_bwd alone for a list of `Tuning`s (one
-                            process, shared inputs).
+  sweep --variants JSON     intra_bwd / intra_fwd / seq_fwd / seq_bwd alone for a list of
+                            `Tuning`s (one process, shared inputs).
   ptxas --triton-site DIR   (CPU, no GPU needed) compile every kernel for sm_90 with the triton
                             wheel and print registers / spills / shared memory / wgmma count.
 
@@ -357,9 +357,9 @@ def cmd_ptxas(args):
 
 
 def cmd_sweep(args):
-    """Time single launches for several `Tuning`s: intra_bwd (shape --shape) and seq_fwd
-    / seq_bwd (shape --seq-shape). Variants: JSON list of [kind, chunk, tuning-dict], kind in
-    bwd / seq / seqb."""
+    """Time single launches for several `Tuning`s: intra_bwd / intra_fwd (shape --shape) and
+    seq_fwd / seq_bwd (shape --seq-shape). Variants: JSON list of [kind, chunk, tuning-dict],
+    kind in bwd / fwd / seq / seqb."""
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
@@ -385,7 +385,7 @@ def cmd_sweep(args):
         return cache[(shape, C)]
 
     for kind, C, tkw in json.loads(args.variants):
-        shape = tuple(args.shape if kind == "bwd" else args.seq_shape)  # seq, seqb: seq_shape
+        shape = tuple(args.shape if kind in ("bwd", "fwd") else args.seq_shape)
         B, T, H, D = shape
         try:
             p = prepared(shape, C)
@@ -395,6 +395,9 @@ def cmd_sweep(args):
                 f = jax.jit(lambda xs, inv, st, dS, do: gk.intra_bwd(*xs, None, inv, st, dS, do,
                                                                      **kw))
                 ms = bench(f, p["xs"], p["inv"], p["states"], p["dS"], p["do"]) * 1e3
+            elif kind == "fwd":  # the chunk-parallel forward launch, as the training step runs it
+                f = jax.jit(lambda xs: gk.intra_fwd(*xs, None, want_inv=True, **kw))
+                ms = bench(f, p["xs"]) * 1e3
             elif kind == "seq":
                 f = jax.jit(lambda *a: gk.seq_fwd(*a, out_dtype=jnp.bfloat16, want_states=True,
                                                   **kw))
