@@ -139,16 +139,17 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
       use_l2wrap: add L2Wrap's gradient (the loss value is unchanged).
       mesh: the device mesh the step runs on, or None. With B or T split over devices each
         device sums its own tokens' head gradient across the chunks (`_DeviceGroups`).
-      xent_impl: how each chunk's statistics and logits gradient are computed: "xla" (plain
-        JAX, `lwm_jax.ops.xent.xent_reference`'s math: two passes over the logits), "pallas"
-        (`xent_pallas`: one kernel, the logits read once from HBM where the L2 cache holds
-        them), "interpret" (the kernel in the Pallas interpreter, for tests) or "auto":
-        "pallas" on one GPU when the vocabulary allows it (`vocab_block`), else "xla".
+      xent_impl: how each chunk's statistics and logits gradient are computed: "xla" (two
+        XLA fusions: a max / argmax / log-sum-exp reduction, then the gradient), "pallas"
+        (`lwm_jax.ops.xent.xent_pallas`: one kernel, the same bytes at a higher bandwidth),
+        "interpret" (that kernel in the Pallas interpreter, for tests) or "auto": "pallas" on
+        one GPU when the vocabulary allows it (`vocab_block`), else "xla".
     Returns:
       float32 scalar, the mean cross-entropy in nats (equal to `lm_loss` up to summation order).
     """
     if xent_impl not in XENT_IMPLS:
-        raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, got {xent_impl!r}")
+        raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, "
+                         f"got {xent_impl!r}")
     if xent_impl == "auto":
         one_device = mesh is None or mesh.size == 1
         probe = jax.ShapeDtypeStruct((x_BTC.shape[0], 1, x_BTC.shape[2]), x_BTC.dtype)
@@ -179,9 +180,9 @@ class _DeviceGroups:
     a contiguous `n/Gs` block), the loop keeps one gradient accumulator per group, each on its
     own device, and the G accumulators are summed once after the loop. The head's parameters
     are gathered once before it, and each device holds one float32 head-sized accumulator
-    (under FSDP: the whole head's, not its 1/N share). Used only when the shapes split evenly, the mesh has no
-    `tensor` axis (the head's vocabulary would be split) and the chunks hold no padding;
-    otherwise `active` is False and the loop runs as on one device.
+    (under FSDP: the whole head's, not its 1/N share). Used only when the shapes split evenly,
+    the mesh has no `tensor` axis (the head's vocabulary would be split) and the chunks hold no
+    padding; otherwise `active` is False and the loop runs as on one device.
     """
 
     def __init__(self, mesh, B: int, n: int, pad: int):
