@@ -31,11 +31,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 
 import numpy as np
+
+# this checkout's lwm_jax when it is not installed; a PYTHONPATH tree (an A/B) still wins
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 SHAPES = [(8, 4096, 12, 64), (4, 4096, 32, 64), (1, 32768, 32, 64), (16, 2048, 32, 64)]
 NAMES = ("r", "w", "k", "v", "a", "b")

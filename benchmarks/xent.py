@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import sys
 import time
+
+# this checkout's lwm_jax when it is not installed; a PYTHONPATH tree (an A/B) still wins
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def main():
