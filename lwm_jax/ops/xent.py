@@ -7,13 +7,13 @@ For float32 logits `[N, V]` (N rows = tokens), integer targets `[N]` and a per-r
     target       = logits[row, target]
     d_logits     = (softmax(logits) - onehot(target) + [L2Wrap: l2wrap * top at top_idx]) * scale
 
-`xent_reference` is that in plain JAX. `xent_pallas` is one Pallas-Triton program per row:
+`xent_reference` is that in plain JAX, the fused loss's form everywhere but one GPU: two XLA
+fusions, the statistics from one variadic reduction (`max_argmax_logsumexp`, ~2.3 TB/s in the
+0.1B step on an H100), then the gradient. `xent_pallas` is one Pallas-Triton program per row:
 pass 1 reads the row block by block for the statistics, pass 2 reads it again, last block
 first (the blocks pass 1 read last are the likeliest to still be in L2), and writes the
-gradient in `grad_dtype`. In the training step's fused loss XLA runs the same work as two
-fusions (a variadic max / argmax / log-sum-exp reduction, then the gradient), and the
-reduction reaches ~2.3 TB/s; the kernel moves the same bytes (two reads, one write) at
-~2.9 TB/s on an H100 (benchmarks/xent.py; step numbers in benchmarks/RESULTS.md, session 19).
+gradient in `grad_dtype`: the same bytes (two reads, one write) at ~2.9 TB/s on an H100
+(benchmarks/xent.py; step numbers in benchmarks/RESULTS.md, session 19).
 A NaN or +inf logit makes the row's `lse` NaN and a target outside [0, V) its `target` NaN,
 so the loss is NaN (as in the XLA form) and the step's non-finite guard skips it.
 """
@@ -42,20 +42,61 @@ def vocab_block(V: int) -> int | None:
     return None
 
 
+def _online_combine(a, b):
+    """Merges two (max, index of the max, sum of exp(logit - max)) summaries of disjoint logit
+    sets. One exp per merge: the smaller max's sum is rescaled to the larger max. Ties keep the
+    smaller index (as `jnp.argmax`); a NaN max makes the sum NaN, so the loss stays NaN."""
+    m_a, i_a, s_a = a
+    m_b, i_b, s_b = b
+    hi, lo = jnp.maximum(m_a, m_b), jnp.minimum(m_a, m_b)
+    a_wins = (m_a > m_b) | ((m_a == m_b) & (i_a <= i_b))
+    # equal maxima (two empty summaries at -inf included) rescale by exactly 1
+    rescale = jnp.exp(jnp.where(hi == lo, 0.0, lo - hi))
+    total = jnp.where(m_a >= m_b, s_a + s_b * rescale, s_a * rescale + s_b)
+    return hi, jnp.where(a_wins, i_a, i_b), total
+
+
+def max_argmax_logsumexp(logits_BnV: jax.Array):
+    """`(argmax, max, logsumexp)` over the last axis in one reading of `logits_BnV` (float32).
+
+    A variadic reduction carries each row's running max, its index and the sum of
+    `exp(logit - running max)` (online softmax): it reads the logits once where `argmax` then
+    `logsumexp` read them twice (the logits chunk is the largest array the loss touches,
+    `[B, n, V]` float32; measured on an H100: ~1 ms of a 148 ms 0.1B step). The vocabulary is
+    reduced in two levels (blocks of a power of two near sqrt(V), the last one padded with
+    -inf at weight 0, then the blocks' summaries), so no platform folds 65536 terms one after
+    another: a sequential fold (XLA on a CPU) loses ~1e-6 of the log-sum-exp, two levels keep
+    it at float32 rounding. Returns int32 `[B, n]`, float32 `[B, n]`, float32 `[B, n]`.
+    """
+    *lead, V = logits_BnV.shape
+    block = 1 << max(0, (V.bit_length() - 1) // 2)     # the largest power of two <= sqrt(V)
+    n_blocks = -(-V // block)
+    pad = n_blocks * block - V                          # < block positions: -inf, weight 0
+    logits = jnp.pad(logits_BnV, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
+    index = jax.lax.broadcasted_iota(jnp.int32, (n_blocks * block,), 0)
+    shape = (*lead, n_blocks, block)
+    summary = (logits.reshape(shape), jnp.broadcast_to(index.reshape(n_blocks, block), shape),
+               jnp.broadcast_to((index < V).astype(jnp.float32).reshape(n_blocks, block), shape))
+    init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.float32(0))
+    for axis in (len(shape) - 1, len(shape) - 2):     # within blocks, then across them
+        summary = jax.lax.reduce(summary, init, _online_combine, (axis,))
+    top, top_idx, sum_exp = summary
+    return top_idx, top, top + jnp.log(sum_exp)
+
+
 def xent_reference(logits_NV, targets_N, scale_N, *, l2wrap: float | None, grad_dtype):
-    """Plain-JAX statistics and gradient; returns `(lse, target, top, top_idx, d_logits)`:
-    float32 `[N]` x 3, int32 `[N]`, `[N, V]` in `grad_dtype`. `l2wrap`: L2Wrap's factor or
-    None (no L2Wrap term)."""
+    """Plain-JAX statistics and gradient over the last axis (any leading axes `...`: the fused
+    loss's XLA form): `logits [..., V]`, `targets [...]`, `scale` broadcastable to `[...]`.
+    Returns `(lse, target, top, top_idx, d_logits)`: float32 `[...]` x 3, int32 `[...]`,
+    `[..., V]` in `grad_dtype`. `l2wrap`: L2Wrap's factor or None (no L2Wrap term)."""
     logits = logits_NV.astype(_F32)
-    top = jnp.max(logits, axis=-1)
-    top_idx = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    target = jnp.take_along_axis(logits, targets_N[:, None], axis=-1)[:, 0]
-    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    d = jnp.exp(logits - lse[:, None]) - (ids == targets_N[:, None])
+    top_idx, top, lse = max_argmax_logsumexp(logits)
+    target = jnp.take_along_axis(logits, targets_N[..., None], axis=-1)[..., 0]
+    ids = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    d = jnp.exp(logits - lse[..., None]) - (ids == targets_N[..., None])
     if l2wrap is not None:
-        d = d + jnp.where(ids == top_idx[:, None], (l2wrap * top)[:, None], 0.0)
-    return lse, target, top, top_idx, (d * scale_N[:, None]).astype(grad_dtype)
+        d = d + jnp.where(ids == top_idx[..., None], (l2wrap * top)[..., None], 0.0)
+    return lse, target, top, top_idx, (d * scale_N[..., None]).astype(grad_dtype)
 
 
 def _kernel(x_ref, t_ref, s_ref, lse_ref, tgt_ref, top_ref, idx_ref, g_ref, *, V, block,

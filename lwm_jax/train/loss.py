@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS
-from lwm_jax.ops.xent import vocab_block, xent_pallas
+from lwm_jax.ops.xent import vocab_block, xent_pallas, xent_reference
 
 L2WRAP_FACTOR = 1e-4
 XENT_IMPLS = ("auto", "xla", "pallas", "interpret")
@@ -75,48 +75,6 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, *, use_l2wrap: bool) -
     return l2wrap(loss, logits_BTV) if use_l2wrap else loss
 
 
-def _online_combine(a, b):
-    """Merges two (max, index of the max, sum of exp(logit - max)) summaries of disjoint logit
-    sets. One exp per merge: the smaller max's sum is rescaled to the larger max. Ties keep the
-    smaller index (as `jnp.argmax`); a NaN max makes the sum NaN, so the loss stays NaN."""
-    m_a, i_a, s_a = a
-    m_b, i_b, s_b = b
-    hi, lo = jnp.maximum(m_a, m_b), jnp.minimum(m_a, m_b)
-    a_wins = (m_a > m_b) | ((m_a == m_b) & (i_a <= i_b))
-    # equal maxima (two empty summaries at -inf included) rescale by exactly 1
-    rescale = jnp.exp(jnp.where(hi == lo, 0.0, lo - hi))
-    total = jnp.where(m_a >= m_b, s_a + s_b * rescale, s_a * rescale + s_b)
-    return hi, jnp.where(a_wins, i_a, i_b), total
-
-
-def max_argmax_logsumexp(logits_BnV: jax.Array):
-    """`(argmax, max, logsumexp)` over the last axis in one reading of `logits_BnV` (float32).
-
-    A variadic reduction carries each row's running max, its index and the sum of
-    `exp(logit - running max)` (online softmax): it reads the logits once where `argmax` then
-    `logsumexp` read them twice (the logits chunk is the largest array the loss touches,
-    `[B, n, V]` float32; measured on an H100: ~1 ms of a 148 ms 0.1B step). The vocabulary is
-    reduced in two levels (blocks of a power of two near sqrt(V), the last one padded with
-    -inf at weight 0, then the blocks' summaries), so no platform folds 65536 terms one after
-    another: a sequential fold (XLA on a CPU) loses ~1e-6 of the log-sum-exp, two levels keep
-    it at float32 rounding. Returns int32 `[B, n]`, float32 `[B, n]`, float32 `[B, n]`.
-    """
-    *lead, V = logits_BnV.shape
-    block = 1 << max(0, (V.bit_length() - 1) // 2)     # the largest power of two <= sqrt(V)
-    n_blocks = -(-V // block)
-    pad = n_blocks * block - V                          # < block positions: -inf, weight 0
-    logits = jnp.pad(logits_BnV, [(0, 0)] * len(lead) + [(0, pad)], constant_values=-jnp.inf)
-    index = jax.lax.broadcasted_iota(jnp.int32, (n_blocks * block,), 0)
-    shape = (*lead, n_blocks, block)
-    summary = (logits.reshape(shape), jnp.broadcast_to(index.reshape(n_blocks, block), shape),
-               jnp.broadcast_to((index < V).astype(jnp.float32).reshape(n_blocks, block), shape))
-    init = (jnp.float32(-jnp.inf), jnp.int32(0), jnp.float32(0))
-    for axis in (len(shape) - 1, len(shape) - 2):     # within blocks, then across them
-        summary = jax.lax.reduce(summary, init, _online_combine, (axis,))
-    top, top_idx, sum_exp = summary
-    return top_idx, top, top + jnp.log(sum_exp)
-
-
 def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets_BT: jax.Array,
                   *, chunk_tokens: int, use_l2wrap: bool, mesh=None,
                   xent_impl: str = "auto") -> jax.Array:
@@ -150,14 +108,16 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
     if xent_impl not in XENT_IMPLS:
         raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, "
                          f"got {xent_impl!r}")
-    if xent_impl == "auto":
-        one_device = mesh is None or mesh.size == 1
-        probe = jax.ShapeDtypeStruct((x_BTC.shape[0], 1, x_BTC.shape[2]), x_BTC.dtype)
-        vocab = jax.eval_shape(head_fn, probe, head_params).shape[-1]
-        xent_impl = ("pallas" if jax.default_backend() == "gpu" and one_device
-                     and vocab_block(vocab) is not None else "xla")
     return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
                   targets_BT)
+
+
+def _kernel_applies(xent_impl: str, vocab: int, mesh) -> bool:
+    """Whether a chunk's statistics and gradient come from `xent_pallas` (see `fused_lm_loss`)."""
+    if xent_impl != "auto":
+        return xent_impl in ("pallas", "interpret")
+    return (jax.default_backend() == "gpu" and (mesh is None or mesh.size == 1)
+            and vocab_block(vocab) is not None)
 
 
 def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
@@ -234,39 +194,28 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
         logits_BnV, pullback = jax.vjp(lambda x, p: head_fn(x, p), x_BnC, head_params)
         logits_BnV = logits_BnV.astype(jnp.float32)
         weight_Bn = valid_n[None, :] * inv_total
-        if with_grad and xent_impl in ("pallas", "interpret"):
-            # statistics and the scaled gradient in one kernel (`lwm_jax.ops.xent`), written in
-            # the dtype the head's backward products round the cotangent to (x's: the compute
-            # dtype), then widened for the pullback: the same bits reach the products
+        scale_Bn = jnp.broadcast_to(valid_n[None, :], tgt_Bn.shape)
+        l2wrap_factor = L2WRAP_FACTOR if use_l2wrap else None
+        if with_grad and _kernel_applies(xent_impl, logits_BnV.shape[-1], mesh):
+            # one kernel (`lwm_jax.ops.xent`); the gradient written in the dtype the head's
+            # backward products round the cotangent to (x's: the compute dtype), widened for
+            # the pullback below: the same bits reach the products
             Bc, nc, V = logits_BnV.shape
-            lse, target, _, _, d = xent_pallas(
-                logits_BnV.reshape(Bc * nc, V), tgt_Bn.reshape(Bc * nc),
-                jnp.broadcast_to(valid_n[None, :], (Bc, nc)).reshape(Bc * nc),
-                l2wrap=L2WRAP_FACTOR if use_l2wrap else None, grad_dtype=x_BnC.dtype,
-                interpret=xent_impl == "interpret")
-            loss_part = jnp.sum((lse - target).reshape(Bc, nc) * weight_Bn)
-            d_logits = d.reshape(Bc, nc, V).astype(jnp.float32)
+            out = xent_pallas(logits_BnV.reshape(Bc * nc, V), tgt_Bn.reshape(Bc * nc),
+                              scale_Bn.reshape(Bc * nc), l2wrap=l2wrap_factor,
+                              grad_dtype=x_BnC.dtype, interpret=xent_impl == "interpret")
+            lse_Bn, target_Bn, _, _, d_logits = (a.reshape(Bc, nc, *a.shape[1:]) for a in out)
         else:
-            # one reading of the [B, n, V] chunk gives the argmax, the max (the log-sum-exp's
-            # shift and L2Wrap's value) and the log-sum-exp; the gradient below is the second
-            top_idx_Bn, top_Bn, lse_Bn = max_argmax_logsumexp(logits_BnV)
-            target_Bn = jnp.take_along_axis(logits_BnV, tgt_Bn[..., None], axis=-1)[..., 0]
-            loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
-            if not with_grad:
-                return loss_part, None, None
-            vocab_ids = jax.lax.broadcasted_iota(jnp.int32, logits_BnV.shape, 2)
-            d_logits = (jnp.exp(logits_BnV - lse_Bn[..., None])
-                        - (vocab_ids == tgt_Bn[..., None]))
-            if use_l2wrap:
-                at_top = vocab_ids == top_idx_Bn[..., None]
-                d_logits = d_logits + jnp.where(at_top, (L2WRAP_FACTOR * top_Bn)[..., None],
-                                                0.0)
-            d_logits = d_logits * valid_n[None, :, None]
+            lse_Bn, target_Bn, _, _, d_logits = xent_reference(
+                logits_BnV, tgt_Bn, scale_Bn, l2wrap=l2wrap_factor, grad_dtype=jnp.float32)
+        loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
+        if not with_grad:
+            return loss_part, None, None
         # pulled back at unit scale (each position's d_logits in [-1, 1] plus L2Wrap's term),
         # the 1 / (B T) of the mean applied after in float32: the head's gradient products
         # take 16-bit operands under a 16-bit policy, where 1e-5-sized cotangents would
         # lose their bits (fp16) to the scale alone
-        dx_BnC, d_p = pullback(d_logits)
+        dx_BnC, d_p = pullback(d_logits.astype(jnp.float32))
         return loss_part, dx_BnC.astype(jnp.float32), jax.tree.map(
             lambda a: a.astype(jnp.float32), d_p)
 

@@ -11,8 +11,8 @@ from flax import nnx
 from lwm_jax import ModelConfig
 from lwm_jax.models.rwkv7 import RWKV7, head_fn
 from lwm_jax.precision import parse_policy
-from lwm_jax.train.loss import (chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss,
-                                max_argmax_logsumexp)
+from lwm_jax.ops.xent import max_argmax_logsumexp
+from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
 from lwm_jax.train.step import model_loss
 
 
