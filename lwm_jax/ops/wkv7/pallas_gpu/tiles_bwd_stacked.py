@@ -12,9 +12,9 @@ Why: a Triton dot lowers to Hopper's warpgroup MMA (wgmma: operands from shared 
 accumulator spread over a warpgroup) only when its row count M is a multiple of 64. In the row
 form at C = 32 every dot has M = 32 and falls back to mma.sync with a warp layout that gives
 each warp a full copy of the left operand (ptxas: 255 registers per thread at 8 warps, one
-program per SM). The stacked form issues 13 wgmma products (Triton 3.6 offline: 255 registers
-at 4 warps, 96 KiB shared memory, so two programs per SM); the measured gain is in
-benchmarks/NOTES-wkv7.md.
+program per SM). The stacked form issues 13 wgmma products at 4 warps: 255 registers, two
+programs per SM on the H100 (register-bound; Nsight Compute, session 20, before P and Inv2 were
+kept); the measured gains are in benchmarks/NOTES-wkv7.md.
 
 Block tricks that keep everything in 2C-wide tiles (| = column concatenation):
   [v^T | 0] Amat^T = [(A_ak V)^T | (A_rk V)^T]; with Inv2 = [[0, 0], [inv, 0]],
@@ -101,27 +101,30 @@ def intra_backward_stacked(ld, st, n, prec):
     gCT = jnp.sum(wT, axis=1, keepdims=True)                    # [K, 1]
     g2 = hcat(gT, gT)
     ew2 = lambda: hcat(jnp.exp(-ldT("w")), jnp.ones_like(wT))   # at = a e^{-w} e^{g}
-    # P, Kb, S0 are rebuilt / reloaded for their late uses: a tile kept from the first use to
-    # the last holds registers and a shared-memory operand copy all the way.
-    P_ = lambda: hcat(ldT("a"), ldT("r")) * ew2() * jnp.exp(g2)
+    # P and Inv2 are built once and kept for all their products: XLA's Triton pipeline rounds
+    # every float32 dot operand to TF32 (three instructions per element), once per distinct
+    # value, so a tile rebuilt for a late use paid its construction and its rounding again
+    # (keeping them: 1.118 -> 0.999 ms per launch at the 1.5B shape, benchmarks/RESULTS.md,
+    # session 20). Kb is rebuilt and S0 reloaded for their late uses (keeping Kb as well
+    # measured no faster: registers, spills).
     Kb_ = lambda: hcat(ldT("k"), ldT("b")) * jnp.exp(-g2)
     half = jax.lax.broadcasted_iota(jnp.int32, (1, 2 * C), 1) < C   # [1, 2C]: left half
     rows2 = jax.lax.broadcasted_iota(jnp.int32, (2 * C, 2 * C), 0)
     cols2 = jax.lax.broadcasted_iota(jnp.int32, (2 * C, 2 * C), 1)
 
-    def inv2_():  # [[0, 0], [inv, 0]]
-        x = hcat(ld("inv"), ld("inv"))
-        x = jnp.transpose(hcat(jnp.transpose(x), jnp.transpose(x)))   # [[inv, inv], [inv, inv]]
-        return jnp.where((rows2 >= C) & (cols2 < C), x, 0.0)
+    P = hcat(ldT("a"), ldT("r")) * ew2() * jnp.exp(g2)
+    inv4 = hcat(ld("inv"), ld("inv"))
+    inv4 = jnp.transpose(hcat(jnp.transpose(inv4), jnp.transpose(inv4)))  # all four blocks inv
+    Inv2 = jnp.where((rows2 >= C) & (cols2 < C), inv4, 0.0)              # [[0, 0], [inv, 0]]
 
-    Amat = jnp.where(causal, mm_tn(P_(), Kb_(), prec), 0.0)
+    Amat = jnp.where(causal, mm_tn(P, Kb_(), prec), 0.0)
     V0 = jnp.where(half, hcat(ldT("v"), ldT("v")), 0.0)         # [v^T | 0]
-    R = mm_tn(ld("S0"), _cols(P_(), m0), prec) + mm_nt(V0, Amat, prec)
-    Y = V0 + mm_nt(R, inv2_(), prec)                           # [v^T | U^T]
+    R = mm_tn(ld("S0"), _cols(P, m0), prec) + mm_nt(V0, Amat, prec)
+    Y = V0 + mm_nt(R, Inv2, prec)                              # [v^T | U^T]
     O0 = jnp.where(half, 0.0, hcat(ldT("dO"), ldT("dO")))       # [0 | dO^T]
     E = _cols(Kb_() * jnp.exp(gCT), m_end)
     W = mm_tn(ld("dSC"), E, prec)
-    Z = O0 + mm(W + mm(O0, Amat, prec), inv2_(), prec)         # [dX^T | dO^T]
+    Z = O0 + mm(W + mm(O0, Amat, prec), Inv2, prec)            # [dX^T | dO^T]
     dvT, _ = hsplit(mm(Z, Amat, prec) + W)
     st("dv", dvT.T)
     dEnd = _cols(mm(ld("dSC"), Y, prec), m_end)                 # [d_kt^T | d_bt^T]
@@ -133,7 +136,7 @@ def intra_backward_stacked(ld, st, n, prec):
     daT, drT = hsplit(dP * ew2() * jnp.exp(g2))
     st("da", daT.T)
     st("dr", drT.T)
-    dkT, dbT = hsplit(mm(P_(), dAmat, prec) * jnp.exp(-g2) + dEnd * jnp.exp(gCT - g2))
+    dkT, dbT = hsplit(mm(P, dAmat, prec) * jnp.exp(-g2) + dEnd * jnp.exp(gCT - g2))
     st("dk", dkT.T)
     st("db", dbT.T)
     dgT = drT * ldT("r") - dkT * ldT("k") - dbT * ldT("b")
