@@ -84,8 +84,9 @@ DRIVER = textwrap.dedent(r"""
                       rngs=nnx.Rngs(0))
         tok = jax.numpy.zeros((int(batch), 32), jax.numpy.int32)
         seq_parallel = "shard_map" in str(jax.make_jaxpr(lambda: model(tok))())
-        gathered = []      # shapes the compiled train step all-gathers (a second compile of
-        if sizes == {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8}:   # it: only where checked
+        gathered = []      # shapes the compiled train step all-gathers; a second compile of
+        # the step, so only on the pure-sequence mesh, the one whose gathers are checked below
+        if sizes == {"data": 1, "fsdp": 1, "tensor": 1, "sequence": 8}:
             prog = build_program(cfg)
             tokens = jax.ShapeDtypeStruct((int(batch), 33), np.int32,
                                           sharding=tokens_sharding(prog.mesh))
