@@ -53,6 +53,8 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
+from lwm_jax import bf16_split
+
 DTYPES: dict[str, Any] = {
     "f32": jnp.float32, "fp32": jnp.float32, "float32": jnp.float32,
     "bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16,
@@ -147,7 +149,10 @@ class Policy:
         given (an island that needs IEEE float32 whatever the policy passes "highest"), else
         this policy's matmul precision: under `fp32` IEEE fp32, under the mixed presets what
         XLA does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never
-        less precise than a bf16 matmul, and as fast as the hardware's fp32 path allows.
+        less precise than a bf16 matmul, and as fast as the hardware's fp32 path allows. Under
+        a bf16 compute dtype an explicit "highest" is computed from the operands' bf16 pieces
+        (`bf16_split.split_einsum`: IEEE-float32 accuracy on the tensor cores, which a GPU's
+        HIGHEST does not use).
 
         The island is the forward value. Under a 16-bit compute dtype the two backward products
         (two operands) take 16-bit operands with float32 accumulation and float32 gradients,
@@ -158,8 +163,13 @@ class Policy:
         forward = self.lax_precision if precision is None else jax.lax.Precision(precision)
         if len(ops) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
             _einsum_terms(spec)               # a spec the custom backward cannot transpose
+            pieces = None
+            if precision == "highest" and jnp.dtype(self.compute_dtype) == jnp.bfloat16:
+                # an island that asks for IEEE float32: the same accuracy from bf16 tensor-core
+                # passes (`bf16_split`; a bf16 operand is one exact piece, a float32 one three)
+                pieces = tuple(1 if jnp.dtype(x.dtype) == jnp.bfloat16 else 3 for x in operands)
             y = _island_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
-                               forward, *ops)
+                               forward, pieces, *ops)
         else:
             y = jnp.einsum(spec, *ops, precision=forward, preferred_element_type=jnp.float32)
         return checkpoint_name(y, MATMUL_OUTPUT_NAME)
@@ -218,24 +228,31 @@ def _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct):
 _low_precision_einsum.defvjp(_low_precision_einsum_fwd, _low_precision_einsum_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _island_einsum(spec: str, compute_dtype, precision, forward_precision, x, y):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _island_einsum(spec: str, compute_dtype, precision, forward_precision, pieces, x, y):
     """`einsum(spec, x, y)` on float32 operands at `forward_precision` (an fp32 island's
     forward), whose backward products round the cotangent and the saved operands to the 16-bit
     `compute_dtype` and accumulate in float32 at `precision` (`_low_precision_einsum_bwd`);
-    gradients are float32."""
+    gradients are float32. `pieces` (x's, y's) computes the forward from bf16 pieces instead
+    (`bf16_split.split_einsum`, IEEE-float32 accuracy); None: one product at
+    `forward_precision`."""
+    return _island_forward(spec, forward_precision, pieces, x, y)
+
+
+def _island_forward(spec, forward_precision, pieces, x, y):
+    if pieces is not None:
+        return bf16_split.split_einsum(spec, x, y, x_pieces=pieces[0], y_pieces=pieces[1])
     return jnp.einsum(spec, x, y, precision=forward_precision,
                       preferred_element_type=jnp.float32)
 
 
-def _island_einsum_fwd(spec, compute_dtype, precision, forward_precision, x, y):
-    out = jnp.einsum(spec, x, y, precision=forward_precision,
-                     preferred_element_type=jnp.float32)
+def _island_einsum_fwd(spec, compute_dtype, precision, forward_precision, pieces, x, y):
+    out = _island_forward(spec, forward_precision, pieces, x, y)
     return out, (x.astype(compute_dtype), y.astype(compute_dtype),
                  np.zeros((0,), x.dtype), np.zeros((0,), y.dtype))
 
 
-def _island_einsum_bwd(spec, compute_dtype, precision, forward_precision, res, ct):
+def _island_einsum_bwd(spec, compute_dtype, precision, forward_precision, pieces, res, ct):
     return _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct)
 
 
