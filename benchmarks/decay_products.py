@@ -3,10 +3,10 @@
 `w = -exp(-0.5) * sigmoid(w0 + tanh(x @ w1) @ w2)` on random operands at the 0.1B and 1.5B
 training shapes (tokens per step x C x LoRA rank; x holds bf16 values, as the token-shift mix
 hands them to the island under `bf16-mixed`, the weights float32), jitted alone; "split" is
-`lwm_jax.bf16_split` as `decay_log` runs it there (x one bf16 piece, the rest three). Prints one JSON line per
-(model, algorithm): the best of 5 timed batches of 10 calls, scaled to all layers of one step
-(forward only), and the largest relative error of `w` against the float64 formula. An algorithm
-the backend does not support prints its error instead.
+`lwm_jax.bf16_split` as `decay_log` runs it there (x one bf16 piece, the rest three). Prints
+one JSON line per (model, algorithm): the best of 5 timed batches of 10 calls, scaled to all
+layers of one step (forward only), and the largest relative error of `w` against the float64
+formula. An algorithm the backend does not support prints its error instead.
 
     python3 benchmarks/decay_products.py          # on the device; a CPU runs every product IEEE
 """

@@ -151,8 +151,8 @@ class Policy:
         XLA does for an fp32 matmul at `default` (TF32 on GPU, one bf16 pass on TPU) -- never
         less precise than a bf16 matmul, and as fast as the hardware's fp32 path allows. Under
         a bf16 compute dtype an explicit "highest" is computed from the operands' bf16 pieces
-        (`bf16_split.split_einsum`: IEEE-float32 accuracy on the tensor cores, which a GPU's
-        HIGHEST does not use).
+        (`bf16_split.split_einsum`: IEEE-float32-level accuracy on the tensor cores, which a
+        GPU's HIGHEST does not use).
 
         The island is the forward value. Under a 16-bit compute dtype the two backward products
         (two operands) take 16-bit operands with float32 accumulation and float32 gradients,
@@ -234,7 +234,7 @@ def _island_einsum(spec: str, compute_dtype, precision, forward_precision, piece
     forward), whose backward products round the cotangent and the saved operands to the 16-bit
     `compute_dtype` and accumulate in float32 at `precision` (`_low_precision_einsum_bwd`);
     gradients are float32. `pieces` (x's, y's) computes the forward from bf16 pieces instead
-    (`bf16_split.split_einsum`, IEEE-float32 accuracy); None: one product at
+    (`bf16_split.split_einsum`, IEEE-float32-level accuracy); None: one product at
     `forward_precision`."""
     return _island_forward(spec, forward_precision, pieces, x, y)
 

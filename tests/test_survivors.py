@@ -208,10 +208,8 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     carries `precision=(P, P)` with P the policy's precision for the policy's matmuls, HIGHEST
     for the decay island's forward products on float32 operands (DEFAULT on the exact bf16
     pieces of `lwm_jax.bf16_split` under a bf16 compute dtype), and its WKV precision inside
-    the WKV op; none
-    carries `None` (= whatever
-    `jax_default_matmul_precision` says). On CPU every precision computes the same numbers, so
-    only the jaxpr can show this."""
+    the WKV op; none carries `None` (= whatever `jax_default_matmul_precision` says). On CPU
+    every precision computes the same numbers, so only the jaxpr can show this."""
     policy = parse_policy(spec)
     rt = dataclasses.replace(RT, wkv_impl="chunked", remat=scan_remat, scan_layers=scan_remat)
     graphdef, params = nnx.split(RWKV7(CFG, policy, runtime=rt, rngs=nnx.Rngs(0)))
