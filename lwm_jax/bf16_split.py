@@ -6,19 +6,19 @@ exact in float32, and bfloat16 has float32's exponent range). A product of two b
 values is exact in float32, so `x @ y` computed from the pieces' products with float32
 accumulation has an IEEE float32 matmul's error, up to the accumulation order and the terms
 below ~2^-24 of the result that are left out: it keeps the six terms `i + j <= 2` of
-`x_i @ y_j` (i, j = 0 hi, 1 mid, 2 lo). Measured on an H100 (benchmarks/RESULTS.md, session
-21): the decay island's largest relative error 2.6e-5 / 5.8e-6 (1.5B / 0.1B shapes) against
-IEEE's 1.7e-5 / 7.2e-6 and TF32's 5.5e-3 / 3.3e-3. An
-operand that is bfloat16 already (a 16-bit activation upcast for the product) is one piece,
-exactly, and then three terms remain.
+`x_i @ y_j` (i, j = 0 hi, 1 mid, 2 lo). An operand that is bfloat16 already (a 16-bit
+activation upcast for the product) is one piece, exactly, and then three terms remain.
+Measured on an H100 (benchmarks/RESULTS.md, session 21): the decay island's largest relative
+error 2.6e-5 / 5.8e-6 (1.5B / 0.1B shapes) against IEEE's 1.7e-5 / 7.2e-6 and TF32's
+5.5e-3 / 3.3e-3.
 
 Why: on GPUs XLA runs an IEEE float32 matmul (`Precision.HIGHEST`) off the tensor cores, and
-at the skinny shapes of a LoRA (rank 64-256) its own split-product algorithms
-(`DotAlgorithmPreset.BF16_BF16_F32_X6`, `TF32_TF32_F32_X3`) measured no faster than that
-(benchmarks/RESULTS.md, session 9). Here the terms of one product become one bfloat16 GEMM:
-stacked along the output (x a single piece: y's pieces side by side, x read once) or along
-the contracted axis (each term's operands concatenated: for a split x, which should then be
-the small operand).
+at the skinny shapes of a LoRA (rank 64-256) its own split-product algorithms of float32
+accuracy (`DotAlgorithmPreset.BF16_BF16_F32_X6`, `TF32_TF32_F32_X3`) are barely faster (1.5B
+island: 5.97 / 6.81 vs 6.88 ms per step; here 4.02; benchmarks/RESULTS.md, session 21).
+Here the terms of one product become one bfloat16 GEMM: stacked along the output (x a single
+piece: y's pieces side by side, x read once) or along the contracted axis (each term's
+operands concatenated: for a split x, which should then be the small operand).
 
 A leaf module: imports nothing of `lwm_jax`.
 """
@@ -34,13 +34,16 @@ _EXACT = jax.lax.Precision.DEFAULT  # bf16 x bf16 products are exact in float32 
 
 def bf16_pieces(x, n: int) -> list:
     """`n` bfloat16 arrays, largest first, whose float32 sum is `x` (float32): exactly for n = 3,
-    to within 2^-(8 n - 1) relative for fewer.
+    to within 2^-(8 n - 1) relative for fewer. n = 1 is a plain cast, for values that are bf16
+    numbers already (exact; XLA then drops the bf16 -> float32 -> bf16 casts altogether).
 
     Each piece keeps the leading 8 significant bits of what is left (the float32 bit pattern with
     its low 16 bits cleared), so the three pieces hold all 24 bits of x. The pieces are made by
     masking bits, not by rounding to bfloat16 and back: XLA on GPUs may drop a float32 ->
     bfloat16 -> float32 round trip as excess precision (`xla_allow_excess_precision`, on by
     default), which made every residual zero and the "split" product a plain bfloat16 one."""
+    if n == 1:
+        return [x.astype(_BF16)]
     pieces, rest = [], x.astype(_F32)
     for i in range(n):
         bits = jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000)
