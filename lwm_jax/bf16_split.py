@@ -34,16 +34,15 @@ _EXACT = jax.lax.Precision.DEFAULT  # bf16 x bf16 products are exact in float32 
 
 def bf16_pieces(x, n: int) -> list:
     """`n` bfloat16 arrays, largest first, whose float32 sum is `x` (float32): exactly for n = 3,
-    to within 2^-(8 n - 1) relative for fewer. n = 1 is a plain cast, for values that are bf16
-    numbers already (exact; XLA then drops the bf16 -> float32 -> bf16 casts altogether).
+    to within 2^-(8 n - 1) relative for fewer (n = 1: exact for values that are bf16 numbers).
+    n = 1 masks too: a plain cast there (XLA then drops the bf16 -> float32 -> bf16 casts) ran
+    the 1.5B step at the same speed with 0.75 GiB more peak memory (RESULTS.md, session 22).
 
     Each piece keeps the leading 8 significant bits of what is left (the float32 bit pattern with
     its low 16 bits cleared), so the three pieces hold all 24 bits of x. The pieces are made by
     masking bits, not by rounding to bfloat16 and back: XLA on GPUs may drop a float32 ->
     bfloat16 -> float32 round trip as excess precision (`xla_allow_excess_precision`, on by
     default), which made every residual zero and the "split" product a plain bfloat16 one."""
-    if n == 1:
-        return [x.astype(_BF16)]
     pieces, rest = [], x.astype(_F32)
     for i in range(n):
         bits = jax.lax.bitcast_convert_type(rest, jnp.uint32) & jnp.uint32(0xFFFF0000)
