@@ -200,3 +200,20 @@ def test_lowers_to_triton_for_gpu(chunk, dtype):
         xs, spec(jnp.float32, (B, H, K, K)), spec(jnp.int32, (B, T)))
     assert exported.platforms == ("cuda",)
     assert exported.mlir_module().count(f"custom_call @{triton}") >= 4   # fwd and bwd kernels
+
+
+def test_sequential_launch_defaults_leave_one_program_per_sm():
+    """`resolve`'s measured rule (H100, benchmarks/RESULTS.md, session 22): the sequential
+    launches take the fewest value columns per program that keep B*H*V/columns programs <= the
+    SM count, and 3 pipeline stages; explicit `Tuning` fields still win."""
+    from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
+    big = resolve(None, 32, 64, 64, sm_count=132)        # 1.5B, batch 2: 64 heads
+    assert (big.block_v, big.block_v_bwd, big.split_out, big.stages_seq) == (32, 32, True, 3)
+    small = resolve(None, 32, 96, 64, sm_count=132)      # 0.1B, batch 8: 96 heads
+    assert (small.block_v, small.block_v_bwd, small.split_out) == (16, 64, False)
+    long = resolve(None, 32, 32, 64, sm_count=132)       # one long sequence of 32 heads
+    assert (long.block_v, long.block_v_bwd) == (16, 32)
+    assert resolve(None, 32, 64, 64, sm_count=264).block_v_bwd == 32
+    assert resolve(None, 32, 96, 64, sm_count=264).block_v_bwd == 32
+    fixed = resolve(Tuning(block_v=16, block_v_bwd=16, stages_seq=2), 32, 64, 64, sm_count=132)
+    assert (fixed.block_v, fixed.block_v_bwd, fixed.stages_seq) == (16, 16, 2)

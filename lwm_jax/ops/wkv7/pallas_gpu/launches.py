@@ -54,28 +54,45 @@ class Tuning(NamedTuple):
 _BWD_FORMS = {"rows": tiles.intra_backward, "stacked": tiles_bwd_stacked.intra_backward_stacked}
 
 
-def resolve(tune: Tuning | None, C: int, BH: int, V: int) -> Tuning:
+def resolve(tune: Tuning | None, C: int, BH: int, V: int,
+            sm_count: int | None = None) -> Tuning:
     """Fill the None fields of `tune` for chunk length C, B*H heads and value size V.
 
-    Chosen by measurement (benchmarks/NOTES-wkv7.md): C <= 32 wants 4 warps for intra_fwd; C = 64 wants 8 warps
-    and the two-launch backward; seq_bwd is fastest with 32 columns per program; the
-    chunk-parallel output launch pays off only when the sequential forward has few programs
-    (long T, few heads). C <= 32 uses the stacked one-launch backward with 4 warps (one
-    warpgroup: its 64-row wgmma tiles need no more); the row form wanted 8 warps.
+    Chosen by measurement (benchmarks/NOTES-wkv7.md): C <= 32 wants 4 warps for intra_fwd;
+    C = 64 wants 8 warps and the two-launch backward; the chunk-parallel output launch pays off only when the
+    sequential forward has few programs (long T, few heads). C <= 32 uses the stacked
+    one-launch backward with 4 warps (one warpgroup: its 64-row wgmma tiles need no more); the
+    row form wanted 8 warps. The sequential launches (one program per head and column block,
+    a chain over the chunks) run fastest with 3 pipeline stages and with the fewest columns
+    per program that still leave at most one program per SM (`sm_count`; default: the first
+    device's, 132 off a GPU): seq_bwd 32 columns at 64 heads, 64 at 96 (H100, session 22).
     """
     tune = tune or Tuning()
     small = C <= 32
-    block_v = min(tune.block_v or 16, V)
+    sms = _sm_count() if sm_count is None else sm_count
+    one_wave = lambda options: next((c for c in options if BH * max(V // c, 1) <= sms),
+                                    options[-1])
     pick = lambda value, default: default if value is None else value
+    split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 264)
+    # with outputs the forward keeps 16 columns (0.1B: no gain from more, H100, session 22)
+    block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out else 16), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
     if form not in _BWD_FORMS:
         raise ValueError(f"Tuning.bwd_form must be one of {sorted(_BWD_FORMS)}, got {form!r}")
     return Tuning(
-        block_v=block_v, block_v_bwd=min(tune.block_v_bwd or 32, V),
+        block_v=block_v, block_v_bwd=min(tune.block_v_bwd or one_wave((32, 64)), V),
         warps_intra=pick(tune.warps_intra, 4 if small else 8), warps_seq=pick(tune.warps_seq, 4),
         warps_bwd=pick(tune.warps_bwd, 8 if form == "rows" else 4),
-        stages_seq=pick(tune.stages_seq, 2), split_bwd=pick(tune.split_bwd, not small),
-        split_out=pick(tune.split_out, BH * (V // block_v) < 264), bwd_form=form)
+        stages_seq=pick(tune.stages_seq, 3), split_bwd=pick(tune.split_bwd, not small),
+        split_out=split_out, bwd_form=form)
+
+
+def _sm_count(default: int = 132) -> int:
+    """Streaming multiprocessors of the first device (a GPU); `default` (an H100's 132)
+    elsewhere, e.g. for interpret mode on CPU."""
+    device = jax.devices()[0]
+    return int(getattr(device, "core_count", 0) or default) if device.platform == "gpu" \
+        else default
 
 
 def _params(num_warps, num_stages=1):
