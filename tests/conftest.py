@@ -6,9 +6,16 @@ the top. Test file names are unique across folders (pytest's default import mode
 """
 from __future__ import annotations
 
-import jax
-import jax.extend
-import pytest
+import os
+
+# Two pytest-xdist workers share one GPU: with JAX's default preallocation each would take 75%
+# of it at its first array and the second would run out (seen on an H100, 2026-11-26). Allocate
+# on demand instead; an explicit setting in the environment still wins.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402  (after the allocator setting above)
+import jax.extend  # noqa: E402
+import pytest  # noqa: E402
 
 ON_GPU = jax.default_backend() == "gpu"
 
