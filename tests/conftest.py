@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 
-# Two pytest-xdist workers share one GPU: with JAX's default preallocation each would take 75%
-# of it at its first array and the second would run out (seen on an H100, 2026-11-26). Allocate
-# on demand instead; an explicit setting in the environment still wins.
+# Two pytest-xdist workers share one GPU: with JAX's default preallocation each takes 75% of it
+# at its first array. On an H100 a WKV-state test failed that way and passed alone; allocating
+# on demand, both workers pass (benchmarks/RESULTS.md, session 22). An explicit setting in the
+# environment still wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402  (after the allocator setting above)
