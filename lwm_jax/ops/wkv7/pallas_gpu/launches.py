@@ -62,10 +62,11 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     C = 64 wants 8 warps and the two-launch backward; the chunk-parallel output launch pays off
     only when the sequential forward has few programs (long T, few heads). C <= 32 uses the
     stacked one-launch backward with 4 warps (one warpgroup: its 64-row wgmma tiles need no
-    more); the row form wanted 8 warps. The sequential launches (one program per head and column block,
-    a chain over the chunks) run fastest with 3 pipeline stages and with the fewest columns
-    per program that still leave at most one program per SM (`sm_count`; default: the first
-    device's, 132 off a GPU): seq_bwd 32 columns at 64 heads, 64 at 96 (H100, session 22).
+    more); the row form wanted 8 warps. The sequential launches (one program per head and
+    column block, a chain over the chunks) run fastest with 3 pipeline stages and with the
+    fewest columns per program that still leave at most one program per SM (`sm_count`;
+    default: the first device's, 132 off a GPU): seq_bwd 32 columns at 64 heads, 64 at 96
+    (H100, session 22).
     """
     tune = tune or Tuning()
     small = C <= 32
