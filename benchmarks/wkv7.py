@@ -18,8 +18,8 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
                             (1, 1024, 4, 64). Compile time is what a user of the `fp32` policy
                             waits for before the first step.
   breakdown --shape B T H D each launch timed alone, for the launch variants listed below.
-  sweep --variants JSON     intra_bwd / intra_fwd / seq_fwd / seq_bwd alone for a list of
-                            `Tuning`s (one process, shared inputs).
+  sweep --variants JSON     intra_bwd / intra_fwd / seq_fwd (alone, or with out_fwd: "seqo") /
+                            seq_bwd for a list of `Tuning`s (one process, shared inputs).
   ptxas --triton-site DIR   (CPU, no GPU needed) compile every kernel for sm_90 with the triton
                             wheel and print registers / spills / shared memory / wgmma count.
 
@@ -363,7 +363,8 @@ def cmd_ptxas(args):
 def cmd_sweep(args):
     """Time single launches for several `Tuning`s: intra_bwd / intra_fwd (shape --shape) and
     seq_fwd / seq_bwd (shape --seq-shape). Variants: JSON list of [kind, chunk, tuning-dict],
-    kind in bwd / fwd / seq / seqb."""
+    kind in bwd / fwd / seq / seqo (seq_fwd plus out_fwd when the tuning splits the outputs off)
+    / seqb."""
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
@@ -406,6 +407,15 @@ def cmd_sweep(args):
                 f = jax.jit(lambda *a: gk.seq_fwd(*a, out_dtype=jnp.bfloat16, want_states=True,
                                                   **kw))
                 ms = bench(f, p["M"], p["Dm"], p["Q"], p["O0"], p["s0"]) * 1e3
+            elif kind == "seqo":  # the forward's sequential part as the step runs it: seq_fwd,
+                # then out_fwd when the tuning writes states only (`split_out`)
+                def fwd_out(M, Dm, Q, O0, s0):
+                    o, sT, *states = gk.seq_fwd(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16,
+                                                want_states=True, **kw)
+                    if o is None:
+                        o = gk.out_fwd(Q, O0, states[0], out_dtype=jnp.bfloat16, **kw)
+                    return o, sT
+                ms = bench(jax.jit(fwd_out), p["M"], p["Dm"], p["Q"], p["O0"], p["s0"]) * 1e3
             else:  # "seqb": the reverse sequential launch
                 f = jax.jit(lambda M, Q, do, s: gk.seq_bwd(M, Q, do, s, **kw))
                 ms = bench(f, p["M"], p["Q"], p["do"], p["s0"]) * 1e3
