@@ -8,9 +8,10 @@ their durations by kernel name, by kind (WKV kernels, GEMMs, other XLA fusions, 
 the model's `jax.named_scope` (the innermost of `SCOPES` found in the event's HLO op metadata;
 backward ops keep their forward scope inside `transpose(...)`); per device, how much collective
 (NCCL) time no compute kernel overlaps (`communication`) and which collectives that time
-belongs to (`exposed_collectives`); with `--against DIR`, the op paths whose per-device time
-grew most from DIR's trace (`compare`: e.g. a 2-GPU step against the 1-GPU one). Needs nothing beyond the
-standard library, so it runs where the trace was taken.
+belongs to (`exposed_collectives`); which fusions run furthest above their bandwidth floor
+(`bandwidth`: bytes from the HLO beside the trace); with `--against DIR`, the op paths whose
+per-device time grew most from DIR's trace (`compare`: e.g. a 2-GPU step against the 1-GPU
+one). Needs nothing beyond the standard library, so it runs where the trace was taken.
 """
 from __future__ import annotations
 
@@ -77,6 +78,16 @@ _CALLS = re.compile(r"calls=%?([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 
 
+def _computation(line: str) -> str | None:
+    """The name a computation's header line opens (`%fused_x (p: f32[4]) -> f32[4] {`), else
+    None. Instructions have ` = ` before any `{`; `/*index=5*/` comments in long tuple types
+    do not count."""
+    head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
+    if head and "=" not in re.sub(r"/\*.*?\*/", "", line).split("{")[0]:
+        return head.group(1)
+    return None
+
+
 def op_names(directory: str) -> dict[str, str]:
     """HLO instruction name -> its `op_name` metadata (the jax op path, named scopes included),
     from `HLO_FILE` in `directory` (empty when absent). A fusion without metadata of its own
@@ -88,9 +99,8 @@ def op_names(directory: str) -> dict[str, str]:
     computation = None
     with open(path, encoding="utf-8") as f:
         for line in f:
-            head = re.match(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s.*\{\s*$", line)
-            if head and "=" not in line.split("{")[0]:
-                computation = head.group(1)
+            if (head := _computation(line)) is not None:
+                computation = head
                 continue
             m = _INSTR.match(line)
             if not m:
@@ -245,6 +255,74 @@ def compare(directory: str, against: str, n: int = 25) -> list[dict]:
              "ms_against": round(theirs.get(k, 0) / 1e3, 3)} for k in keys[:n]]
 
 
+_SHAPE = re.compile(r"\b(pred|s8|u8|s16|u16|f16|bf16|s32|u32|f32|s64|u64|f64)\[([\d,]*)\]")
+_ELEMENT_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2,
+                  "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8}
+
+
+def _shape_bytes(text: str) -> int:
+    total = 0
+    for dtype, dims in _SHAPE.findall(text):
+        count = 1
+        for d in filter(None, dims.split(",")):
+            count *= int(d)
+        total += _ELEMENT_BYTES[dtype] * count
+    return total
+
+
+def fusion_bytes(directory: str) -> dict[str, int]:
+    """HLO fusion name -> the bytes it reads and writes once: its called computation's
+    parameters plus its result, from `HLO_FILE` (empty when absent). An upper bound on what
+    the kernel must move (a parameter it slices counts whole) and a lower bound on what it
+    may move (re-reads are not counted)."""
+    path = os.path.join(directory, HLO_FILE)
+    if not os.path.exists(path):
+        return {}
+    params: dict[str, int] = collections.defaultdict(int)
+    fusions: dict[str, tuple[int, str]] = {}
+    computation = None
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if (head := _computation(line)) is not None:
+                computation = head
+                continue
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            rhs = line.split(" = ", 1)[1]
+            if " parameter(" in rhs:
+                params[computation] += _shape_bytes(rhs.split(" parameter(")[0])
+            elif " fusion(" in rhs and (called := _CALLS.search(line)):
+                fusions[m.group(1)] = (_shape_bytes(rhs.split(" fusion(")[0]), called.group(1))
+    return {name: out + params.get(called, 0) for name, (out, called) in fusions.items()}
+
+
+def bandwidth(directory: str, n: int | None = 25, tb_s: float = 3.0) -> list[dict]:
+    """The fusion kernels grouped by jax op path, those furthest above their bandwidth floor
+    first: `[{"name", "ms", "calls", "gb", "tb_s", "floor_ms"}]` (ms and GB over the whole
+    trace; `tb_s` the rate achieved; `floor_ms` the time at `tb_s` TB/s, e.g. 3.0 for an H100's
+    HBM3). Kernels without an HLO fusion (GEMM libraries, Pallas calls) are left out. Says
+    which elementwise work is slow, as opposed to merely plentiful."""
+    sizes = fusion_bytes(directory)
+    names = op_names(directory)
+    us: dict[str, float] = collections.defaultdict(float)
+    moved: dict[str, int] = collections.defaultdict(int)
+    calls: dict[str, int] = collections.defaultdict(int)
+    for e in _device_events(directory):
+        hlo = str((e.get("args") or {}).get("hlo_op", ""))
+        if hlo not in sizes or _kind(e["name"]) == "gemm":
+            continue
+        key = _op_path(e, names)
+        us[key] += float(e["dur"])
+        moved[key] += sizes[hlo]
+        calls[key] += 1
+    rows = [{"name": k[:120], "ms": round(us[k] / 1e3, 3), "calls": calls[k],
+             "gb": round(moved[k] / 1e9, 3),
+             "tb_s": round(moved[k] / (us[k] * 1e-6) / 1e12, 2) if us[k] else 0.0,
+             "floor_ms": round(moved[k] / (tb_s * 1e12) * 1e3, 3)} for k in us]
+    return sorted(rows, key=lambda r: r["floor_ms"] - r["ms"])[:n]
+
+
 def summary(directory: str, n: int = 40) -> dict:
     """Top `n` kernels, time by kind, by named scope and (with `HLO_FILE`) by jax op path,
     and three sample events' metadata."""
@@ -256,6 +334,7 @@ def summary(directory: str, n: int = 40) -> dict:
             "by_op": top_ops(directory, n, lambda e: _op_path(e, names)) if names else [],
             "communication": communication(directory),
             "exposed_collectives": exposed_collectives(directory, n),
+            "bandwidth": bandwidth(directory, n),
             "sample_args": [e.get("args") for e in events[:3]]}
 
 
@@ -273,6 +352,10 @@ def main() -> None:
         print(f"-- {title}")
         for row in result[title]:
             print(f"{row['ms']:10.3f} ms {row['pct']:5.1f}% {row['calls']:6d}x  {row['name']}")
+    print("-- fusions furthest above the bandwidth floor (3.0 TB/s; ms, GB over the trace)")
+    for row in result["bandwidth"]:
+        print(f"{row['ms']:10.3f} ms {row['floor_ms']:8.3f} floor {row['gb']:8.2f} GB "
+              f"{row['tb_s']:5.2f} TB/s {row['calls']:6d}x  {row['name']}")
     print("-- communication (ms over the trace)")
     for row in result["communication"]:
         print(json.dumps(row))

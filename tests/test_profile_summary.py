@@ -90,3 +90,43 @@ def test_exposed_time_is_told_per_collective_and_growth_per_op(ps, tmp_path):
     assert by_name["embed/scatter"] == (pytest.approx(0.015), pytest.approx(0.02))
     assert by_name["head/dot_general"] == (pytest.approx(0.05), pytest.approx(0.1))
     assert grown[0]["name"] == nccl
+
+
+def test_bandwidth_counts_each_fusion_parameters_and_results(ps, tmp_path):
+    """Bytes per fusion from the HLO beside the trace (its computation's parameters + its
+    results), so two 10 us kernels moving 12 MB each run at 1.2 TB/s; a tuple result long enough
+    to carry `/*index=5*/` comments still opens its own computation; GEMMs are left out."""
+    _write_trace(str(tmp_path), [
+        (1, "loop_add_fusion", 0, 10, "fusion.1"), (1, "loop_add_fusion", 20, 10, "fusion.1"),
+        (1, "loop_slice_fusion", 40, 4, "fusion.2"),
+        (1, "gemm_fusion_dot", 50, 100, "gemm_fusion_dot.3"),
+    ])
+    six = ", ".join(["f32[10]"] * 5) + ", /*index=5*/f32[10]"
+    with open(tmp_path / "step.hlo.txt", "w", encoding="utf-8") as f:
+        f.write(
+            "%fused_add (p0: f32[1000000], p1: f32[1000000]) -> f32[1000000] {\n"
+            "  %p0 = f32[1000000]{0} parameter(0)\n"
+            "  %p1 = f32[1000000]{0} parameter(1)\n"
+            "  ROOT %add = f32[1000000]{0} add(%p0, %p1)\n"
+            "}\n"
+            f"%fused_slice (p: bf16[60]) -> ({six}) {{\n"
+            "  %p = bf16[60]{0} parameter(0)\n"
+            "}\n"
+            "%fused_dot (a: bf16[64,64]) -> bf16[64,64] {\n"
+            "  %a = bf16[64,64]{1,0} parameter(0)\n"
+            "}\n"
+            "ENTRY %main (x: f32[1000000]) -> f32[1000000] {\n"
+            '  %fusion.1 = f32[1000000]{0} fusion(%x, %x), kind=kLoop, calls=%fused_add, '
+            'metadata={op_name="jit(step)/time_mix/add"}\n'
+            f'  %fusion.2 = ({six}) fusion(%y), kind=kLoop, calls=%fused_slice, '
+            'metadata={op_name="jit(step)/slice"}\n'
+            '  %gemm_fusion_dot.3 = bf16[64,64]{1,0} fusion(%z), kind=kCustom, '
+            'calls=%fused_dot, metadata={op_name="jit(step)/dot_general"}\n'
+            "}\n")
+    assert ps.fusion_bytes(str(tmp_path)) == {"fusion.1": 12_000_000, "fusion.2": 360,
+                                               "gemm_fusion_dot.3": 16384}
+    rows = {r["name"]: r for r in ps.bandwidth(str(tmp_path), None, tb_s=3.0)}
+    assert set(rows) == {"time_mix/add", "slice"}
+    assert rows["time_mix/add"] == {"name": "time_mix/add", "ms": 0.02, "calls": 2,
+                                    "gb": 0.024, "tb_s": 1.2, "floor_ms": 0.008}
+    assert list(rows) == ["time_mix/add", "slice"]      # furthest above its floor first
