@@ -88,31 +88,34 @@ def _computation(line: str) -> str | None:
     return None
 
 
-def op_names(directory: str) -> dict[str, str]:
-    """HLO instruction name -> its `op_name` metadata (the jax op path, named scopes included),
-    from `HLO_FILE` in `directory` (empty when absent). A fusion without metadata of its own
-    takes the first op_name inside the computation it calls."""
+def _instructions(directory: str):
+    """`(computation, instruction name, line)` for each instruction of `HLO_FILE` in
+    `directory` (nothing when absent)."""
     path = os.path.join(directory, HLO_FILE)
     if not os.path.exists(path):
-        return {}
-    names, calls, first_in = {}, {}, {}
+        return
     computation = None
     with open(path, encoding="utf-8") as f:
         for line in f:
             if (head := _computation(line)) is not None:
                 computation = head
-                continue
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            instr = m.group(1)
-            called, op_name = _CALLS.search(line), _OP_NAME.search(line)
-            called, op_name = called and called.group(1), op_name and op_name.group(1)
-            if op_name:
-                names[instr] = op_name
-                first_in.setdefault(computation, op_name)
-            elif called:
-                calls[instr] = called
+            elif m := _INSTR.match(line):
+                yield computation, m.group(1), line
+
+
+def op_names(directory: str) -> dict[str, str]:
+    """HLO instruction name -> its `op_name` metadata (the jax op path, named scopes included),
+    from `HLO_FILE` in `directory` (empty when absent). A fusion without metadata of its own
+    takes the first op_name inside the computation it calls."""
+    names, calls, first_in = {}, {}, {}
+    for computation, instr, line in _instructions(directory):
+        called, op_name = _CALLS.search(line), _OP_NAME.search(line)
+        called, op_name = called and called.group(1), op_name and op_name.group(1)
+        if op_name:
+            names[instr] = op_name
+            first_in.setdefault(computation, op_name)
+        elif called:
+            calls[instr] = called
     for instr, called in calls.items():
         if called in first_in:
             names.setdefault(instr, first_in[called])
@@ -275,25 +278,14 @@ def fusion_bytes(directory: str) -> dict[str, int]:
     parameters plus its result, from `HLO_FILE` (empty when absent). An upper bound on what
     the kernel must move (a parameter it slices counts whole) and a lower bound on what it
     may move (re-reads are not counted)."""
-    path = os.path.join(directory, HLO_FILE)
-    if not os.path.exists(path):
-        return {}
     params: dict[str, int] = collections.defaultdict(int)
     fusions: dict[str, tuple[int, str]] = {}
-    computation = None
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if (head := _computation(line)) is not None:
-                computation = head
-                continue
-            m = _INSTR.match(line)
-            if not m:
-                continue
-            rhs = line.split(" = ", 1)[1]
-            if " parameter(" in rhs:
-                params[computation] += _shape_bytes(rhs.split(" parameter(")[0])
-            elif " fusion(" in rhs and (called := _CALLS.search(line)):
-                fusions[m.group(1)] = (_shape_bytes(rhs.split(" fusion(")[0]), called.group(1))
+    for computation, instr, line in _instructions(directory):
+        rhs = line.split(" = ", 1)[1]
+        if " parameter(" in rhs:
+            params[computation] += _shape_bytes(rhs.split(" parameter(")[0])
+        elif " fusion(" in rhs and (called := _CALLS.search(line)):
+            fusions[instr] = (_shape_bytes(rhs.split(" fusion(")[0]), called.group(1))
     return {name: out + params.get(called, 0) for name, (out, called) in fusions.items()}
 
 
