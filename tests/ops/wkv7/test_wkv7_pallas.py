@@ -215,5 +215,7 @@ def test_sequential_launch_defaults_leave_one_program_per_sm():
     assert (long.block_v, long.block_v_bwd) == (16, 32)
     assert resolve(None, 32, 64, 64, sm_count=264).block_v_bwd == 32
     assert resolve(None, 32, 96, 64, sm_count=264).block_v_bwd == 32
+    assert resolve(None, 32, 96, 64, sm_count=264).split_out     # < 2 16-column programs/SM
+    assert not resolve(None, 32, 66, 64, sm_count=132).split_out  # 264 = 2 x 132
     fixed = resolve(Tuning(block_v=16, block_v_bwd=16, stages_seq=2), 32, 64, 64, sm_count=132)
     assert (fixed.block_v, fixed.block_v_bwd, fixed.stages_seq) == (16, 16, 2)

@@ -74,7 +74,8 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     one_wave = lambda options: next((c for c in options if BH * max(V // c, 1) <= sms),
                                     options[-1])
     pick = lambda value, default: default if value is None else value
-    split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 264)
+    # outputs split off below two 16-column programs per SM (264 on the H100 / H200 measured)
+    split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 2 * sms)
     # with outputs the forward keeps 16 columns (0.1B: no gain from more, H100, session 22)
     block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out else 16), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
