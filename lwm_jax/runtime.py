@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
+LN_X_IMPLS = ("auto", "xla", "pallas", "interpret")
 REMAT_POLICIES = ("full", "save_dots")
 
 
@@ -35,6 +36,10 @@ class Runtime:
         that spends a GPU's spare memory on speed (numbers in benchmarks/RESULTS.md).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
         Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
+      ln_x_impl: the backward of RWKV-7's `ln_x` GroupNorm: "xla" (autodiff of the forward),
+        "pallas" (`lwm_jax.ops.group_norm`: one kernel), "interpret" (that kernel in the Pallas
+        interpreter, for tests) or "auto": "pallas" on one GPU when the shape allows it, else
+        "xla". The forward is the same either way.
     """
 
     wkv_impl: str = "auto"
@@ -43,12 +48,15 @@ class Runtime:
     remat_policy: str = "full"
     remat_layers: int = -1
     scan_layers: bool = False
+    ln_x_impl: str = "auto"
 
     def __post_init__(self):
         def bad(field, msg):
             raise ValueError(f"runtime.{field}: {msg}")
         if self.wkv_impl not in WKV_IMPLS:
             bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
+        if self.ln_x_impl not in LN_X_IMPLS:
+            bad("ln_x_impl", f"{self.ln_x_impl!r} is not one of {LN_X_IMPLS}")
         c = self.chunk_size
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             bad("chunk_size", f"must be an integer >= 0 (0 = the implementation's default), "

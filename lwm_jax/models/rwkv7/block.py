@@ -67,7 +67,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
-        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"), wkv_op=wkv_op)
+        segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"), wkv_op=wkv_op,
+        ln_x_impl=runtime.ln_x_impl)
     x_BTC = x_BTC + att
     if probe is not None:
         probe("x_att", x_BTC)

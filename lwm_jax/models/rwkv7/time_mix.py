@@ -28,6 +28,7 @@ from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.norms import GroupNorm, group_norm
 from lwm_jax.layers.shift import token_shift_mixes
 from lwm_jax.ops import wkv7
+from lwm_jax.ops.group_norm import group_norm_fused, kernel_applies
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
 from lwm_jax.precision import param_add, param_mul
 
@@ -137,6 +138,27 @@ def _normalize_heads_bwd(eps, res, dy):
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
+def _ln_x(impl: str, wkv_op):
+    """`group_norm`'s signature, with the backward `impl` asks for (see `time_mix_forward`)."""
+    if impl == "auto":
+        impl = "pallas" if wkv_op is None and jax.default_backend() == "gpu" else "xla"
+        if impl == "pallas":
+            return functools.partial(_ln_x_kernel, interpret=False, fallback=True)
+    if impl == "xla":
+        return group_norm
+    return functools.partial(_ln_x_kernel, interpret=impl == "interpret", fallback=False)
+
+
+def _ln_x_kernel(x, weight, bias, *, n_groups, eps, out_dtype, interpret, fallback):
+    if not kernel_applies(x.shape, n_groups):
+        if fallback:
+            return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
+        raise ValueError(f"runtime.ln_x_impl: the Pallas GroupNorm backward does not fit "
+                         f"{x.shape} in {n_groups} groups (tokens a multiple of 8, head size a "
+                         "power of two >= 16); set runtime.ln_x_impl=xla")
+    return group_norm_fused(x, weight, bias, n_groups, eps, jnp.dtype(out_dtype), interpret)
+
+
 def _lora(policy, x_BTC, down, up):
     return policy.einsum("btr,rc->btc", policy.einsum("btc,cr->btr", x_BTC, down), up)
 
@@ -144,7 +166,8 @@ def _lora(policy, x_BTC, down, up):
 @jax.named_scope("time_mix")
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
-                     segment_ids_BT=None, probe=None, wkv_op=None) -> tuple[Any, Any, Any]:
+                     segment_ids_BT=None, probe=None, wkv_op=None,
+                     ln_x_impl: str = "xla") -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
     Args:
@@ -161,6 +184,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
         log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
       wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7` is (None: `wkv7`); e.g. the
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
+      ln_x_impl: `Runtime.ln_x_impl`. "auto" takes the Pallas backward on a GPU when `wkv_op`
+        is None (one device: the kernel has no sharding rule) and the shape fits it.
     Returns:
       `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
       dtype, state float32.
@@ -213,8 +238,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
 
-    y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
-                   eps=N * 1e-5, out_dtype=cd)
+    y = _ln_x(ln_x_impl, wkv_op)(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"],
+                                 n_groups=H, eps=N * 1e-5, out_dtype=cd)
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
