@@ -134,6 +134,7 @@ def run_case(model: str, precision: str, overrides: list[str], steps: int, warmu
            "lwm_jax": os.path.dirname(sys.modules["lwm_jax"].__file__),
            "step_ms": round(step_s * 1e3, 2),
            "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
+           "step_ms_all": [round(x * 1e3, 2) for x in times],
            "ktok_s": round(tokens / step_s / 1e3, 2),
            "devices": jax.device_count(),   # MFU is per GPU, like the trainer's metrics
            "mfu_pct": round(6 * n_params * tokens / step_s

@@ -76,6 +76,7 @@ def run(model_name: str, mode: str, steps: int, warmup: int) -> dict:
            "params": n_params, "device": torch.cuda.get_device_name(),
            "torch": torch.__version__, "step_ms": round(step_s * 1e3, 2),
            "step_ms_min_max": [round(min(times) * 1e3, 2), round(max(times) * 1e3, 2)],
+           "step_ms_all": [round(x * 1e3, 2) for x in times],
            "ktok_s": round(tokens / step_s / 1e3, 2),
            "mfu_pct": round(6 * n_params * tokens / step_s / (PEAK_TFLOPS * 1e12) * 100, 2),
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
