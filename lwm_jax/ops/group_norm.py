@@ -29,15 +29,16 @@ from jax.experimental.pallas import triton as plgpu
 from lwm_jax.layers.norms import group_norm
 
 _F32 = jnp.float32
-MAX_ROWS = 64          # rows per program (R): 64 x N = 64 elements per lane at N = 64, 4 warps
+MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
 
 
 def rows_per_program(M: int, N: int) -> int | None:
-    """The largest power of two R <= MAX_ROWS dividing M (at least 8), or None: the kernel then
-    does not apply (`kernel_applies`). N must be a power of two (a Triton block dimension)."""
+    """The largest power of two R <= max(8, MAX_VALUES / N) dividing M (at least 8), or None:
+    the kernel then does not apply (`kernel_applies`). N must be a power of two (a Triton block
+    dimension)."""
     if N < 16 or N & (N - 1):
         return None
-    r = MAX_ROWS
+    r = max(8, MAX_VALUES // N)
     while r >= 8:
         if M % r == 0:
             return r

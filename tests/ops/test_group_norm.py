@@ -80,6 +80,8 @@ def test_partial_sums_need_every_row_block(pallas_mode):
 
 def test_shapes_the_kernel_takes():
     assert rows_per_program(8192, 64) == 64 and rows_per_program(40, 64) == 8
+    assert rows_per_program(8192, 16) == 256 and rows_per_program(8192, 256) == 16
+    assert rows_per_program(8192, 2048) == 8           # wide groups: 8 rows, never fewer
     assert rows_per_program(12, 64) is None              # fewer than 8 rows per block
     assert rows_per_program(64, 48) is None              # head size not a power of two
     assert kernel_applies((2, 4096, 2048), 32) and kernel_applies((8, 4096, 768), 12)
