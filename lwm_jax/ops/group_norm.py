@@ -1,8 +1,8 @@
-"""RWKV-7's `ln_x` GroupNorm with its backward pass as one Pallas-Triton kernel.
+"""The backward pass of RWKV-7's `ln_x` GroupNorm as one Pallas-Triton kernel.
 
-The forward is `lwm_jax.layers.norms.group_norm` itself (XLA fuses it with its neighbours). The
-backward, for input `x` `[M, H, N]` (M = tokens, H groups of N channels), cotangent `dy` of the
-same shape and per-channel `weight` `[H, N]`:
+`lwm_jax.layers.norms.group_norm_fused` wires it to the forward, which is `group_norm` itself
+(XLA fuses it with its neighbours). The backward, for input `x` `[M, H, N]` (M = tokens, H
+groups of N channels), cotangent `dy` of the same shape and per-channel `weight` `[H, N]`:
 
     xhat = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)       (per row and group)
     g    = dy * weight
@@ -26,8 +26,6 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.layers.norms import group_norm
-
 _F32 = jnp.float32
 MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
 
@@ -47,7 +45,7 @@ def rows_per_program(M: int, N: int) -> int | None:
 
 
 def kernel_applies(x_shape: tuple[int, ...], n_groups: int) -> bool:
-    """Whether `group_norm_fused` can run its Pallas backward on `x` of this shape."""
+    """Whether `layers.norms.group_norm_fused` can run this backward on `x` of this shape."""
     C = x_shape[-1]
     M = int(np.prod(x_shape[:-1]))
     return C % n_groups == 0 and rows_per_program(M, C // n_groups) is not None
@@ -101,31 +99,3 @@ def group_norm_bwd_pallas(x_MHN, dy_MHN, weight_HN, *, eps: float, interpret: bo
         interpret=interpret, name="group_norm_bwd",
     )(x_MHN, dy_MHN, weight_HN)
     return dx, jnp.sum(dw, axis=0), jnp.sum(db, axis=0)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def group_norm_fused(x, weight, bias, n_groups: int, eps: float, out_dtype, interpret: bool):
-    """`group_norm(x, weight, bias, n_groups=, eps=, out_dtype=)` (same forward, bit for bit)
-    whose backward is `group_norm_bwd_pallas` (`interpret`: in the Pallas interpreter, for
-    tests). x `[..., C]` with `kernel_applies(x.shape, n_groups)`; weight, bias `[C]`.
-    Gradients come back in each input's dtype."""
-    return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-
-
-def _fused_fwd(x, weight, bias, n_groups, eps, out_dtype, interpret):
-    y = group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-    return y, (x, weight, np.zeros((0,), bias.dtype))
-
-
-def _fused_bwd(n_groups, eps, out_dtype, interpret, res, dy):
-    x, weight, bias_proto = res
-    C = x.shape[-1]
-    N = C // n_groups
-    groups = lambda a: a.reshape(-1, n_groups, N)      # noqa: E731
-    dx, dw, db = group_norm_bwd_pallas(groups(x), groups(dy), weight.reshape(n_groups, N),
-                                       eps=eps, interpret=interpret)
-    return (dx.reshape(x.shape), dw.reshape(C).astype(weight.dtype),
-            db.reshape(C).astype(bias_proto.dtype))
-
-
-group_norm_fused.defvjp(_fused_fwd, _fused_bwd)

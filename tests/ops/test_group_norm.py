@@ -1,7 +1,7 @@
-"""`ln_x`'s GroupNorm backward as one Pallas kernel (`lwm_jax.ops.group_norm`): the forward is
-bit for bit `group_norm`, the gradients match a float64 reference as closely as autodiff of the
-forward does (interpreted everywhere, compiled on a GPU), and TimeMix picks it as
-`Runtime.ln_x_impl` says."""
+"""`ln_x`'s GroupNorm backward as one Pallas kernel (`lwm_jax.ops.group_norm`, wired to the
+forward by `layers.norms.group_norm_fused`): the forward is bit for bit `group_norm`, the
+gradients match a float64 reference as closely as autodiff of the forward does (interpreted
+everywhere, compiled on a GPU), and TimeMix picks it as `Runtime.ln_x_impl` says."""
 from __future__ import annotations
 
 import jax
@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers.norms import group_norm
+from lwm_jax.layers.norms import group_norm, group_norm_fused
 from lwm_jax.models.rwkv7.time_mix import _ln_x
-from lwm_jax.ops.group_norm import (group_norm_bwd_pallas, group_norm_fused, kernel_applies,
-                                    rows_per_program)
+from lwm_jax.ops.group_norm import group_norm_bwd_pallas, kernel_applies, rows_per_program
 from lwm_jax.runtime import Runtime
 
 
@@ -98,5 +97,7 @@ def test_time_mix_chooses_the_backward_as_runtime_says():
         np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="runtime.ln_x_impl"):
         _ln_x("pallas", None)(x[:, :3], w, b, **kw)               # 3 tokens: no row block
+    with pytest.raises(ValueError, match="runs on one device"):
+        _ln_x("pallas", lambda *a, **k: None)                      # a sharded model
     with pytest.raises(ValueError, match="runtime.ln_x_impl: 'triton' is not one of"):
         Runtime(ln_x_impl="triton")

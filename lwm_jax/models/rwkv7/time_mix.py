@@ -25,10 +25,10 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.models.rwkv7 import init
-from lwm_jax.layers.norms import GroupNorm, group_norm
+from lwm_jax.layers.norms import GroupNorm, group_norm, group_norm_fused
 from lwm_jax.layers.shift import token_shift_mixes
 from lwm_jax.ops import wkv7
-from lwm_jax.ops.group_norm import group_norm_fused, kernel_applies
+from lwm_jax.ops.group_norm import kernel_applies
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
 from lwm_jax.precision import param_add, param_mul
 
@@ -146,6 +146,9 @@ def _ln_x(impl: str, wkv_op):
             return functools.partial(_ln_x_kernel, interpret=False, fallback=True)
     if impl == "xla":
         return group_norm
+    if wkv_op is not None:
+        raise ValueError(f"runtime.ln_x_impl={impl!r}: the Pallas GroupNorm backward runs on one "
+                         "device (it has no sharding rule); on a device mesh use auto or xla")
     return functools.partial(_ln_x_kernel, interpret=impl == "interpret", fallback=False)
 
 
