@@ -39,7 +39,8 @@ class Runtime:
       ln_x_impl: the backward of RWKV-7's `ln_x` GroupNorm: "xla" (autodiff of the forward),
         "pallas" (`lwm_jax.ops.group_norm`: one kernel), "interpret" (that kernel in the Pallas
         interpreter, for tests) or "auto": "pallas" on one GPU when the shape allows it, else
-        "xla". The forward is the same either way.
+        "xla". The forward is the same either way. Under full remat "xla" peaked 3.6% lower
+        (0.1B, H100; the kernel 1.4% faster): benchmarks/RESULTS.md, session 23.
     """
 
     wkv_impl: str = "auto"
