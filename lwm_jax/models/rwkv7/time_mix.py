@@ -140,11 +140,9 @@ _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 def _ln_x(impl: str, wkv_op):
     """`group_norm`'s signature, with the backward `impl` asks for (see `time_mix_forward`)."""
-    if impl == "auto":
-        impl = "pallas" if wkv_op is None and jax.default_backend() == "gpu" else "xla"
-        if impl == "pallas":
-            return functools.partial(_ln_x_kernel, interpret=False, fallback=True)
-    if impl == "xla":
+    if impl == "auto" and wkv_op is None and jax.default_backend() == "gpu":
+        return functools.partial(_ln_x_kernel, interpret=False, fallback=True)
+    if impl in ("auto", "xla"):
         return group_norm
     if wkv_op is not None:
         raise ValueError(f"runtime.ln_x_impl={impl!r}: the Pallas GroupNorm backward runs on one "
