@@ -12,6 +12,7 @@ import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
 LN_X_IMPLS = ("auto", "xla", "pallas", "interpret")
+FFN_IMPLS = LN_X_IMPLS
 REMAT_POLICIES = ("full", "save_dots")
 
 
@@ -41,6 +42,12 @@ class Runtime:
         interpreter, for tests) or "auto": "pallas" on one GPU when the shape allows it, else
         "xla". The forward is the same either way. Under full remat "xla" peaked 3.6% lower
         (0.1B, H100; the kernel 1.4% faster): benchmarks/RESULTS.md, session 23.
+      ffn_impl: RWKV-7 ChannelMix's `relu(x W_key)² W_value`: "xla" (`Policy.einsum` products
+        and a separate square), "pallas" (`lwm_jax.layers.squared_relu_mlp`: the square in the
+        key GEMM's epilogue, its gradient in the value weight's input-gradient GEMM),
+        "interpret" (those kernels interpreted, for tests) or "auto": "pallas" on one GPU under
+        a bf16 compute dtype when the shapes tile, else "xla". Same math; the kernels round
+        each result once from float32 (benchmarks/RESULTS.md, session 24).
     """
 
     wkv_impl: str = "auto"
@@ -50,6 +57,7 @@ class Runtime:
     remat_layers: int = -1
     scan_layers: bool = False
     ln_x_impl: str = "auto"
+    ffn_impl: str = "auto"
 
     def __post_init__(self):
         def bad(field, msg):
@@ -58,6 +66,8 @@ class Runtime:
             bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
         if self.ln_x_impl not in LN_X_IMPLS:
             bad("ln_x_impl", f"{self.ln_x_impl!r} is not one of {LN_X_IMPLS}")
+        if self.ffn_impl not in FFN_IMPLS:
+            bad("ffn_impl", f"{self.ffn_impl!r} is not one of {FFN_IMPLS}")
         c = self.chunk_size
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             bad("chunk_size", f"must be an integer >= 0 (0 = the implementation's default), "

@@ -110,8 +110,11 @@ def test_run_name_defaults_to_file_stem(tmp_path):
     (["runtime.wkv_impl=fast"], "runtime.wkv_impl: 'fast' is not one of ('auto', 'pallas', "
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
-    (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, ln_x_impl, "
-                            "remat, remat_layers, remat_policy, scan_layers, wkv_impl"),
+    (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, ffn_impl, "
+                            "ln_x_impl, remat, remat_layers, remat_policy, scan_layers, "
+                            "wkv_impl"),
+    (["runtime.ffn_impl=cublas"], "runtime.ffn_impl: 'cublas' is not one of ('auto', 'xla', "
+                                  "'pallas', 'interpret')"),
     (["runtime.ln_x_impl=triton"], "runtime.ln_x_impl: 'triton' is not one of ('auto', 'xla', "
                                    "'pallas', 'interpret')"),
     (["runtime.remat_layers=-2"], "runtime.remat_layers: must be -1 (every block) or a number "

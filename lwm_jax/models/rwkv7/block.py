@@ -76,7 +76,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
         xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
-                                        probe=scoped(probe, "ffn"))
+                                        probe=scoped(probe, "ffn"), ffn_impl=runtime.ffn_impl,
+                                        one_device=wkv_op is None)
     if probe is not None:
         probe("x_out", x_BTC)
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)

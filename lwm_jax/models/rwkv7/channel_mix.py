@@ -1,7 +1,9 @@
 """RWKV-7 ChannelMix (the feed-forward mixer), parameters stacked over layers.
 
 `out = relu(k @ W_key)² @ W_value` with `k = x + (shift(x) - x) * mu_k`, hidden size
-`ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`; matmuls via `policy.einsum`.
+`ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`; matmuls via `policy.einsum`,
+or, on one GPU under bf16 (`Runtime.ffn_impl`), `layers.squared_relu_mlp` with the square and its
+gradient inside the GEMMs.
 
 fp16 (`fp16-mixed`): the square overflows float16 (max 65504) once a pre-activation passes 256,
 which trained RWKV-7 models reach. Under a float16 compute dtype the squared activations are
@@ -15,10 +17,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.shift import token_shift
-from lwm_jax.precision import param_mul
+from lwm_jax.layers.squared_relu_mlp import squared_relu_mlp_fused
+from lwm_jax.ops.relu2_matmul import kernel_applies
+from lwm_jax.precision import MATMUL_OUTPUT_NAME, param_mul
 
 
 class ChannelMix(nnx.Module):
@@ -41,7 +46,8 @@ class ChannelMix(nnx.Module):
 
 
 @jax.named_scope("channel_mix")
-def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None):
+def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None,
+                        ffn_impl: str = "xla", one_device: bool = True):
     """One layer's ChannelMix.
 
     Args:
@@ -50,6 +56,11 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
       shift_BC: `[B, C]` previous token's `x` (zeros for a fresh sequence).
       segment_ids_BT: optional int `[B, T]`; the shift sees zeros where a document starts.
       probe: optional `probe(name, x)` tap; sees the squared-ReLU hidden layer and the output.
+      ffn_impl: `Runtime.ffn_impl`: "xla" (`Policy.einsum` + `squared_relu`), "pallas" /
+        "interpret" (`layers.squared_relu_mlp`: the square inside the key GEMM, its gradient
+        inside the value weight's input-gradient GEMM) or "auto" ("pallas" on one GPU under a
+        bf16 compute dtype when the shapes tile, no probe; else "xla").
+      one_device: False on a device mesh (the kernels have no sharding rule).
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.
     """
@@ -57,6 +68,11 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + param_mul(xx, p["x_k"])       # x_k's gradient summed in float32
+    if _use_kernel(ffn_impl, one_device, policy, probe, k.shape, p["key"].shape):
+        B, T, C = k.shape
+        out = squared_relu_mlp_fused(k.reshape(B * T, C), p["key"], p["value"], jnp.dtype(cd),
+                                     policy.lax_precision, ffn_impl == "interpret")
+        return checkpoint_name(out.astype(cd).reshape(B, T, C), MATMUL_OUTPUT_NAME)
     pre = policy.einsum("btc,cf->btf", k, p["key"])
     if jnp.dtype(cd) == jnp.float16:
         hidden, out = _squared_relu_fp16(policy, jax.nn.relu(pre), p["value"])
@@ -67,6 +83,26 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
         probe("hidden", hidden)
         probe("out", out)
     return out
+
+
+def _use_kernel(impl, one_device, policy, probe, shape_BTC, shape_CF) -> bool:
+    """Whether ChannelMix runs `squared_relu_mlp_fused` (see `channel_mix_forward`)."""
+    if impl == "xla":
+        return False
+    B, T, C = shape_BTC
+    fits = (jnp.dtype(policy.compute_dtype) == jnp.bfloat16 and probe is None
+            and kernel_applies(B * T, C, shape_CF[-1]))
+    if impl == "auto":
+        return fits and one_device and jax.default_backend() == "gpu"
+    if not one_device:
+        raise ValueError(f"runtime.ffn_impl={impl!r}: the Pallas ChannelMix GEMMs run on one "
+                         "device (no sharding rule); on a device mesh use auto or xla")
+    if not fits:
+        raise ValueError(f"runtime.ffn_impl={impl!r}: the Pallas ChannelMix GEMMs need a bf16 "
+                         f"compute dtype, no probe and tokens x channels x hidden {B * T} x {C} x "
+                         f"{shape_CF[-1]} in multiples of the kernel tiles "
+                         "(ops.relu2_matmul.kernel_applies); set runtime.ffn_impl=xla")
+    return True
 
 
 FP16_HIDDEN_PEAK = 128.0   # scaled activations stay <= 128, so their squares <= 16384 < 65504
