@@ -4,7 +4,7 @@
 `models.rwkv7.channel_mix.squared_relu`, but the key product writes `relu(.)²` from its float32
 accumulator (`ops.relu2_matmul.relu2_matmul_pallas`) and, in the backward, the value weight's
 input-gradient product writes the pre-activation's gradient `dh * 2 sqrt(h)`
-(`relu2_matmul_grad_pallas`): two passes over the `[M, F]` hidden layer fewer each way. The
+(`relu2_matmul_grad_pallas`): one pass over the `[M, F]` hidden layer fewer each way. The
 value product and the weight-gradient products stay XLA GEMMs. Operands are cast to the 16-bit
 compute dtype, every product accumulates in float32, and each gradient comes back in its
 input's dtype (float32 parameters get float32 gradients), as `Policy.einsum`'s do.
@@ -40,6 +40,7 @@ def squared_relu_mlp_fused(x_MC, key_CF, value_FC, compute_dtype, precision, int
 
 
 def _forward(x, key, value, cd, precision, interpret):
+    """The forward value and, for `_fused_bwd`, the 16-bit operands and `h` it keeps."""
     x_c, key_c, value_c = (a.astype(cd) for a in (x, key, value))
     hidden = checkpoint_name(relu2_matmul_pallas(x_c.T, key_c, interpret=interpret),
                              MATMUL_OUTPUT_NAME)
@@ -47,10 +48,6 @@ def _forward(x, key, value, cd, precision, interpret):
                      preferred_element_type=_F32)
     protos = tuple(np.zeros((0,), a.dtype) for a in (x, key, value))
     return out, (x_c, key_c, value_c, hidden, protos)
-
-
-def _fused_fwd(x, key, value, cd, precision, interpret):
-    return _forward(x, key, value, cd, precision, interpret)
 
 
 def _fused_bwd(cd, precision, interpret, res, d_out):
@@ -65,4 +62,4 @@ def _fused_bwd(cd, precision, interpret, res, d_out):
     return dx.astype(x_p.dtype), d_key.astype(key_p.dtype), d_value.astype(value_p.dtype)
 
 
-squared_relu_mlp_fused.defvjp(_fused_fwd, _fused_bwd)
+squared_relu_mlp_fused.defvjp(_forward, _fused_bwd)

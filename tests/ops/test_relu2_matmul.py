@@ -102,9 +102,9 @@ def test_shapes_the_kernels_take():
         relu2_matmul_pallas(x, jnp.zeros((C, F), BF16), interpret=True)
 
 
-def _tiny_model(ffn_impl, policy="bf16-mixed"):
+def _tiny_model(ffn_impl, policy="bf16-mixed", **runtime):
     cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=64, head_size=16)   # F = 256
-    rt = Runtime(wkv_impl="chunked", chunk_size=16, ffn_impl=ffn_impl)
+    rt = Runtime(wkv_impl="chunked", chunk_size=16, ffn_impl=ffn_impl, **runtime)
     return randomize_params(RWKV7(cfg, policy, runtime=rt, rngs=nnx.Rngs(0)), seed=1)
 
 
@@ -119,8 +119,9 @@ def _loss_and_grads(model, tokens):
 
 def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     """One sequence of 128 tokens (one row tile): `ffn_impl="interpret"` puts both kernels in
-    every layer and gives the XLA form's loss and gradients to bf16 noise; `auto` on a CPU
-    keeps the XLA form; a shape the kernels cannot tile is a one-line error."""
+    every layer and gives the XLA form's loss and gradients to bf16 noise, also under remat and
+    a layer scan; `auto` on a CPU keeps the XLA form; a shape the kernels cannot tile is a
+    one-line error."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (1, 128)), jnp.int32)
     grads, losses = {}, {}
     for impl in ("interpret", "xla"):
@@ -136,6 +137,11 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     for name in ("key", "value", "x_k"):
         a, b = ffn(grads["interpret"])[name][...], ffn(grads["xla"])[name][...]
         assert _rel(a, np.asarray(b, np.float64)) < 3e-2, name
+    # inside jax.checkpoint + lax.scan (the long-context runtime) it gives the same again
+    loss, g = _loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
+    assert abs(float(loss - losses["interpret"])) < 1e-3 * abs(float(losses["xla"]))
+    a, b = ffn(g)["key"][...], ffn(grads["xla"])["key"][...]
+    assert _rel(a, np.asarray(b, np.float64)) < 3e-2
     if jax.default_backend() == "cpu":
         auto = _tiny_model("auto")
         jaxpr = jax.make_jaxpr(lambda t: auto(t))(tokens)
