@@ -11,8 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
-LN_X_IMPLS = ("auto", "xla", "pallas", "interpret")
-FFN_IMPLS = LN_X_IMPLS
+KERNEL_IMPLS = ("auto", "xla", "pallas", "interpret")   # ln_x_impl, ffn_impl (`kernel_chosen`)
 REMAT_POLICIES = ("full", "save_dots")
 
 
@@ -64,10 +63,9 @@ class Runtime:
             raise ValueError(f"runtime.{field}: {msg}")
         if self.wkv_impl not in WKV_IMPLS:
             bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
-        if self.ln_x_impl not in LN_X_IMPLS:
-            bad("ln_x_impl", f"{self.ln_x_impl!r} is not one of {LN_X_IMPLS}")
-        if self.ffn_impl not in FFN_IMPLS:
-            bad("ffn_impl", f"{self.ffn_impl!r} is not one of {FFN_IMPLS}")
+        for f in ("ln_x_impl", "ffn_impl"):
+            if getattr(self, f) not in KERNEL_IMPLS:
+                bad(f, f"{getattr(self, f)!r} is not one of {KERNEL_IMPLS}")
         c = self.chunk_size
         if not isinstance(c, int) or isinstance(c, bool) or c < 0:
             bad("chunk_size", f"must be an integer >= 0 (0 = the implementation's default), "
@@ -99,3 +97,23 @@ class Runtime:
 
 
 RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
+
+
+def kernel_chosen(field: str, impl: str, *, one_device: bool, on_gpu: bool, fits: bool,
+                  kernel: str, needs: str) -> bool:
+    """The rule of the Pallas-kernel knobs (`ln_x_impl`, `ffn_impl`; values `KERNEL_IMPLS`):
+    whether the kernel runs. "xla": never; "auto": on one GPU when it `fits`; "pallas" /
+    "interpret": always, and a one-line ValueError naming `runtime.<field>` on a device mesh (the
+    kernels have no sharding rule) or when it does not fit (`needs`: what it takes). `kernel`
+    names it in those errors."""
+    if impl == "xla":
+        return False
+    if impl == "auto":
+        return fits and one_device and on_gpu
+    if not one_device:
+        raise ValueError(f"runtime.{field}={impl!r}: {kernel} runs on one device (it has no "
+                         "sharding rule); on a device mesh use auto or xla")
+    if not fits:
+        raise ValueError(f"runtime.{field}={impl!r}: {kernel} needs {needs}; "
+                         f"set runtime.{field}=xla")
+    return True

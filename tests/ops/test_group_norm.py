@@ -87,17 +87,23 @@ def test_shapes_the_kernel_takes():
     assert not kernel_applies((1, 7, 128), 2)
 
 
-def test_time_mix_chooses_the_backward_as_runtime_says():
+def test_time_mix_chooses_the_backward_as_runtime_says(jaxpr_eqns):
     x, w, b, dy = _inputs(2, (1, 8), 128, jnp.float32)
     kw = dict(n_groups=2, eps=64e-5, out_dtype=jnp.float32)
-    assert _ln_x("xla", None) is group_norm
-    assert _ln_x("auto", lambda *a, **k: None) is group_norm      # a sharded model: XLA's
-    f = lambda impl: jax.vjp(lambda *a: _ln_x(impl, None)(*a, **kw), x, w, b)[1](dy)  # noqa
+    sharded = lambda *a, **k: None                                          # noqa: E731
+
+    def kernels(impl, wkv_op=None):
+        fn = lambda *a: jax.vjp(lambda *a: _ln_x(impl, wkv_op, *a, **kw), *a)[1](dy)  # noqa
+        return len([e for e in jaxpr_eqns(jax.make_jaxpr(fn)(x, w, b).jaxpr, "pallas_call")
+                    if e.params.get("name") == "group_norm_bwd"])
+    assert kernels("xla") == 0 and kernels("interpret") == 1
+    assert kernels("auto", sharded) == 0                          # a sharded model: XLA's
+    f = lambda impl: jax.vjp(lambda *a: _ln_x(impl, None, *a, **kw), x, w, b)[1](dy)  # noqa
     for g, a in zip(f("interpret"), f("xla")):
         np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="runtime.ln_x_impl"):
-        _ln_x("pallas", None)(x[:, :3], w, b, **kw)               # 3 tokens: no row block
+    with pytest.raises(ValueError, match="runtime.ln_x_impl='pallas': .*set runtime.ln_x_impl"):
+        _ln_x("pallas", None, x[:, :3], w, b, **kw)               # 3 tokens: no row block
     with pytest.raises(ValueError, match="runs on one device"):
-        _ln_x("pallas", lambda *a, **k: None)                      # a sharded model
+        _ln_x("pallas", sharded, x, w, b, **kw)                   # a sharded model
     with pytest.raises(ValueError, match="runtime.ln_x_impl: 'triton' is not one of"):
         Runtime(ln_x_impl="triton")

@@ -24,6 +24,7 @@ from lwm_jax.layers.shift import token_shift
 from lwm_jax.layers.squared_relu_mlp import squared_relu_mlp_fused
 from lwm_jax.ops.relu2_matmul import kernel_applies
 from lwm_jax.precision import MATMUL_OUTPUT_NAME, param_mul
+from lwm_jax.runtime import kernel_chosen
 
 
 class ChannelMix(nnx.Module):
@@ -87,22 +88,15 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
 
 def _use_kernel(impl, one_device, policy, probe, shape_BTC, shape_CF) -> bool:
     """Whether ChannelMix runs `squared_relu_mlp_fused` (see `channel_mix_forward`)."""
-    if impl == "xla":
-        return False
     B, T, C = shape_BTC
-    fits = (jnp.dtype(policy.compute_dtype) == jnp.bfloat16 and probe is None
-            and kernel_applies(B * T, C, shape_CF[-1]))
-    if impl == "auto":
-        return fits and one_device and jax.default_backend() == "gpu"
-    if not one_device:
-        raise ValueError(f"runtime.ffn_impl={impl!r}: the Pallas ChannelMix GEMMs run on one "
-                         "device (no sharding rule); on a device mesh use auto or xla")
-    if not fits:
-        raise ValueError(f"runtime.ffn_impl={impl!r}: the Pallas ChannelMix GEMMs need a bf16 "
-                         f"compute dtype, no probe and tokens x channels x hidden {B * T} x {C} x "
-                         f"{shape_CF[-1]} in multiples of the kernel tiles "
-                         "(ops.relu2_matmul.kernel_applies); set runtime.ffn_impl=xla")
-    return True
+    F = shape_CF[-1]
+    return kernel_chosen(
+        "ffn_impl", impl, one_device=one_device, on_gpu=jax.default_backend() == "gpu",
+        fits=(jnp.dtype(policy.compute_dtype) == jnp.bfloat16 and probe is None
+              and kernel_applies(B * T, C, F)),
+        kernel="the Pallas ChannelMix GEMMs",
+        needs=f"a bf16 compute dtype, no probe and tokens x channels x hidden {B * T} x {C} x "
+              f"{F} in multiples of the kernel tiles (ops.relu2_matmul.kernel_applies)")
 
 
 FP16_HIDDEN_PEAK = 128.0   # scaled activations stay <= 128, so their squares <= 16384 < 65504

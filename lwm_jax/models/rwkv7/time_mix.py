@@ -31,6 +31,7 @@ from lwm_jax.ops import wkv7
 from lwm_jax.ops.group_norm import kernel_applies
 from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
 from lwm_jax.precision import param_add, param_mul
+from lwm_jax.runtime import kernel_chosen
 
 MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
@@ -138,26 +139,17 @@ def _normalize_heads_bwd(eps, res, dy):
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
-def _ln_x(impl: str, wkv_op):
-    """`group_norm`'s signature, with the backward `impl` asks for (see `time_mix_forward`)."""
-    if impl == "auto" and wkv_op is None and jax.default_backend() == "gpu":
-        return functools.partial(_ln_x_kernel, interpret=False, fallback=True)
-    if impl in ("auto", "xla"):
-        return group_norm
-    if wkv_op is not None:
-        raise ValueError(f"runtime.ln_x_impl={impl!r}: the Pallas GroupNorm backward runs on one "
-                         "device (it has no sharding rule); on a device mesh use auto or xla")
-    return functools.partial(_ln_x_kernel, interpret=impl == "interpret", fallback=False)
-
-
-def _ln_x_kernel(x, weight, bias, *, n_groups, eps, out_dtype, interpret, fallback):
-    if not kernel_applies(x.shape, n_groups):
-        if fallback:
-            return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-        raise ValueError(f"runtime.ln_x_impl: the Pallas GroupNorm backward does not fit "
-                         f"{x.shape} in {n_groups} groups (tokens a multiple of 8, head size a "
-                         "power of two >= 16); set runtime.ln_x_impl=xla")
-    return group_norm_fused(x, weight, bias, n_groups, eps, jnp.dtype(out_dtype), interpret)
+def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype):
+    """`group_norm(x, ...)` with the backward `impl` asks for (see `time_mix_forward`)."""
+    if kernel_chosen("ln_x_impl", impl, one_device=wkv_op is None,
+                     on_gpu=jax.default_backend() == "gpu",
+                     fits=kernel_applies(x.shape, n_groups),
+                     kernel="the Pallas GroupNorm backward",
+                     needs=f"{x.shape} in {n_groups} groups to have tokens a multiple of 8 and a "
+                           "head size a power of two >= 16"):
+        return group_norm_fused(x, weight, bias, n_groups, eps, jnp.dtype(out_dtype),
+                                impl == "interpret")
+    return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
 
 
 def _lora(policy, x_BTC, down, up):
@@ -239,8 +231,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
 
-    y = _ln_x(ln_x_impl, wkv_op)(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"],
-                                 n_groups=H, eps=N * 1e-5, out_dtype=cd)
+    y = _ln_x(ln_x_impl, wkv_op, o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"],
+              n_groups=H, eps=N * 1e-5, out_dtype=cd)
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
