@@ -145,8 +145,8 @@ def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype):
                      on_gpu=jax.default_backend() == "gpu",
                      fits=kernel_applies(x.shape, n_groups),
                      kernel="the Pallas GroupNorm backward",
-                     needs=f"{x.shape} in {n_groups} groups to have tokens a multiple of 8 and a "
-                           "head size a power of two >= 16"):
+                     needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
+                           f"(got {x.shape} in {n_groups} groups)"):
         return group_norm_fused(x, weight, bias, n_groups, eps, jnp.dtype(out_dtype),
                                 impl == "interpret")
     return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
