@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
-KERNEL_IMPLS = ("auto", "xla", "pallas", "interpret")   # ln_x_impl, ffn_impl (`kernel_chosen`)
+KERNEL_IMPLS = ("auto", "xla", "pallas", "interpret")   # the *_impl knobs (`kernel_chosen`)
 REMAT_POLICIES = ("full", "save_dots")
 
 
@@ -47,6 +47,12 @@ class Runtime:
         "interpret" (those kernels interpreted, for tests) or "auto": "pallas" on one GPU under
         a bf16 compute dtype when the shapes tile, else "xla". Same math; the kernels round
         each result once from float32 (benchmarks/RESULTS.md, session 24).
+      norm_impl: RWKV-7's block LayerNorms (`ln1`, `ln2`): "xla" (`layers.norms.layer_norm`,
+        autodiff for the backward), "pallas" (`layers.norms.layer_norm_fused`: one kernel each
+        way over the transposed activations), "interpret" (for tests) or "auto": "pallas" on
+        one GPU under a bf16 compute dtype when tokens and channels tile and the model is at
+        least `ops.layer_norm.AUTO_MIN_CHANNELS` wide, else "xla" (1.5B: -1.5 ms a step,
+        +0.7 GiB; 0.1B: no faster; H100, benchmarks/RESULTS.md, session 25).
     """
 
     wkv_impl: str = "auto"
@@ -57,13 +63,14 @@ class Runtime:
     scan_layers: bool = False
     ln_x_impl: str = "auto"
     ffn_impl: str = "auto"
+    norm_impl: str = "auto"
 
     def __post_init__(self):
         def bad(field, msg):
             raise ValueError(f"runtime.{field}: {msg}")
         if self.wkv_impl not in WKV_IMPLS:
             bad("wkv_impl", f"{self.wkv_impl!r} is not one of {WKV_IMPLS}")
-        for f in ("ln_x_impl", "ffn_impl"):
+        for f in ("ln_x_impl", "ffn_impl", "norm_impl"):
             if getattr(self, f) not in KERNEL_IMPLS:
                 bad(f, f"{getattr(self, f)!r} is not one of {KERNEL_IMPLS}")
         c = self.chunk_size
@@ -101,7 +108,8 @@ RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
 
 def kernel_chosen(field: str, impl: str, *, one_device: bool, on_gpu: bool, fits: bool,
                   kernel: str, needs: str) -> bool:
-    """The rule of the Pallas-kernel knobs (`ln_x_impl`, `ffn_impl`; values `KERNEL_IMPLS`):
+    """The rule of the Pallas-kernel knobs (`ln_x_impl`, `ffn_impl`, `norm_impl`; values
+    `KERNEL_IMPLS`):
     whether the kernel runs. "xla": never; "auto": on one GPU when it `fits`; "pallas" /
     "interpret": always, and a one-line ValueError naming `runtime.<field>` on a device mesh (the
     kernels have no sharding rule) or when it does not fit (`needs`: what it takes). `kernel`

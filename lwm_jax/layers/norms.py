@@ -20,6 +20,7 @@ import numpy as np
 from flax import nnx
 
 from lwm_jax.ops.group_norm import group_norm_bwd_pallas
+from lwm_jax.ops.layer_norm import layer_norm_bwd_pallas, layer_norm_fwd_pallas
 
 LN_EPS = 1e-5
 
@@ -96,6 +97,34 @@ def _fused_bwd(n_groups, eps, out_dtype, interpret, res, dy):
 
 
 group_norm_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm_fused(x, weight, bias, eps: float, out_dtype, interpret: bool):
+    """`layer_norm(x, weight, bias, eps=, out_dtype=)` as the Pallas kernels of
+    `lwm_jax.ops.layer_norm`, forward and backward (`interpret`: in the Pallas interpreter, for
+    tests). x `[..., C]` with `kernel_applies(tokens, C)`; weight, bias `[C]`. The kernels see
+    x transposed, `[C, tokens]`: the layout XLA keeps the residual stream in, so the transposes
+    cost nothing. Gradients come back in each input's dtype."""
+    return _ln_forward(x, weight, bias, eps, out_dtype, interpret)[0]
+
+
+def _ln_forward(x, weight, bias, eps, out_dtype, interpret):
+    C = x.shape[-1]
+    yt, mean, rstd = layer_norm_fwd_pallas(x.reshape(-1, C).T, weight, bias, eps=eps,
+                                           out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+    return yt.T.reshape(x.shape), (x, weight, mean, rstd, np.zeros((0,), bias.dtype))
+
+
+def _ln_backward(eps, out_dtype, interpret, res, dy):
+    x, weight, mean, rstd, bias_proto = res
+    C = x.shape[-1]
+    dxt, dw, db = layer_norm_bwd_pallas(x.reshape(-1, C).T, dy.reshape(-1, C).T, weight, mean,
+                                        rstd, interpret=interpret)
+    return dxt.T.reshape(x.shape), dw.astype(weight.dtype), db.astype(bias_proto.dtype)
+
+
+layer_norm_fused.defvjp(_ln_forward, _ln_backward)
 
 
 def _stack_axes(stack: tuple[int, ...]) -> tuple[str, ...]:

@@ -111,8 +111,8 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                                 "'chunked', 'recurrent')"),
     (["runtime.remat=maybe"], "runtime.remat: expected true or false, got 'maybe'"),
     (["runtime.scan=true"], "runtime.scan: unknown key; valid keys: chunk_size, ffn_impl, "
-                            "ln_x_impl, remat, remat_layers, remat_policy, scan_layers, "
-                            "wkv_impl"),
+                            "ln_x_impl, norm_impl, remat, remat_layers, remat_policy, "
+                            "scan_layers, wkv_impl"),
     (["runtime.ffn_impl=cublas"], "runtime.ffn_impl: 'cublas' is not one of ('auto', 'xla', "
                                   "'pallas', 'interpret')"),
     (["runtime.ln_x_impl=triton"], "runtime.ln_x_impl: 'triton' is not one of ('auto', 'xla', "

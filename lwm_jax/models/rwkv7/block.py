@@ -14,7 +14,10 @@ from flax import nnx
 
 from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
-from lwm_jax.layers.norms import LayerNorm, layer_norm
+from lwm_jax.layers.norms import LN_EPS, LayerNorm, layer_norm, layer_norm_fused
+from lwm_jax.ops.layer_norm import AUTO_MIN_CHANNELS as LN_AUTO_MIN_CHANNELS
+from lwm_jax.ops.layer_norm import kernel_applies as ln_kernel_applies
+from lwm_jax.runtime import kernel_chosen
 from lwm_jax.models.rwkv7.time_mix import TimeMix, time_mix_forward
 
 
@@ -63,7 +66,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     """
     cd = policy.compute_dtype
     with jax.named_scope("block_norm"):
-        xn = layer_norm(x_BTC, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
+        xn = _norm(x_BTC, p["ln1"], cd, runtime.norm_impl, one_device=wkv_op is None)
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
@@ -73,7 +76,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     if probe is not None:
         probe("x_att", x_BTC)
     with jax.named_scope("block_norm"):
-        xn2 = layer_norm(x_BTC, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
+        xn2 = _norm(x_BTC, p["ln2"], cd, runtime.norm_impl, one_device=wkv_op is None)
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
                                         probe=scoped(probe, "ffn"), ffn_impl=runtime.ffn_impl,
@@ -82,3 +85,20 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
         probe("x_out", x_BTC)
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)
     return x_BTC, v_first_BTC, new_state
+
+
+def _norm(x_BTC, p: dict, cd, impl: str, *, one_device: bool):
+    """`layer_norm(x, weight, bias)` in compute dtype `cd`, as the Pallas kernels
+    (`layers.norms.layer_norm_fused`) when `runtime.norm_impl` chooses them."""
+    B, T, C = x_BTC.shape
+    use = kernel_chosen(
+        "norm_impl", impl, one_device=one_device, on_gpu=jax.default_backend() == "gpu",
+        fits=(jnp.dtype(cd) == jnp.bfloat16 and ln_kernel_applies(B * T, C)
+              and (impl != "auto" or C >= LN_AUTO_MIN_CHANNELS)),
+        kernel="the Pallas LayerNorm",
+        needs=f"a bf16 compute dtype and tokens x channels {B * T} x {C} in multiples of the "
+              "kernel's blocks (ops.layer_norm.kernel_applies)")
+    if use:
+        return layer_norm_fused(x_BTC, p["weight"], p["bias"], LN_EPS, jnp.dtype(cd),
+                                impl == "interpret")
+    return layer_norm(x_BTC, p["weight"], p["bias"], out_dtype=cd)

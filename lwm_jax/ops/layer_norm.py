@@ -1,0 +1,194 @@
+"""LayerNorm forward and backward as Pallas-Triton kernels over the *transposed* activations.
+
+XLA keeps RWKV-7's residual stream tokens-minor (`[C, B, T]` in memory: its GEMMs write
+column-major outputs), so a LayerNorm's per-token statistics are reductions down columns, which
+XLA runs as two passes forward (mean, then variance) and several backward, each re-reading the
+stream (benchmarks/RESULTS.md, sessions 22-23); a row-major kernel made XLA flip the whole
+step's layout (sessions 20 and 23). These kernels take `x` transposed, `xt [C, M]` (M tokens),
+the layout XLA already has, and give each program `BM` token columns and all C rows:
+
+    forward:   mean, rstd of each column (float32, one pass: per-tile statistics merged by
+               Chan et al.'s update), then yt = (xt - mean) * rstd * w + b
+    backward:  xhat = (xt - mean) * rstd,  g = dyt * w
+               dxt = rstd * (g - mean_c(g) - xhat * mean_c(g * xhat))
+               dw = sum over tokens of dyt * xhat,  db = sum over tokens of dyt
+
+Each pass walks the column block in `BC`-row tiles; the second pass of each kernel re-reads the
+block (C x BM: 256 KiB at C = 2048 in bf16) from L2. The forward returns the float32 mean and
+rstd for the backward (8 bytes a token). The weight and bias sums come back as per-program
+partials `[M / BM, C]` that XLA adds in a fixed order (no atomics: bitwise reproducible).
+`lwm_jax.layers.norms.layer_norm_fused` wires both into a `jax.custom_vjp`.
+
+Measured on an H100 (benchmarks/RESULTS.md, session 25): alone, forward + backward at 8192 x
+2048 take 0.169 ms against XLA's 0.323, at 32768 x 768 0.186 against 0.457; in the 1.5B train
+step (C = 2048) the two block LayerNorms on the kernels save ~1.5 ms (+0.72 GiB), in the 0.1B
+step (C = 768) nothing (+0.5 GiB): XLA fuses its LayerNorm into the neighbouring passes there.
+Hence `AUTO_MIN_CHANNELS` for `runtime.norm_impl="auto"`.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+_F32 = jnp.float32
+BM = 64           # token columns per program (one 128-byte line of a bf16 block row)
+BC = 128          # channel rows per tile of a pass
+NUM_WARPS, NUM_STAGES = 8, 3   # chosen from twelve launch shapes (session 25)
+AUTO_MIN_CHANNELS = 2048       # narrowest C where the kernels measured faster in a train step
+
+
+def kernel_applies(M: int, C: int, bm: int = BM, bc: int = BC) -> bool:
+    """Whether M tokens x C channels tile exactly by (`bm` tokens, `bc` channels)."""
+    return M > 0 and M % bm == 0 and C > 0 and C % bc == 0
+
+
+def _check(name: str, M: int, C: int, bm: int, bc: int):
+    if not kernel_applies(M, C, bm, bc):
+        raise ValueError(f"{name}: {M} tokens x {C} channels do not tile by ({bm} tokens, {bc} "
+                         "channels); use the XLA LayerNorm (kernel_applies)")
+
+
+def _column_stats(xt_ref, bc: int):
+    """float32 `(mean [bm], sum of squared deviations [bm])` of the block's columns in one
+    pass: each `[bc, bm]` tile's own mean and squared deviations (exact two-pass within the
+    tile, which sits in registers) merged into the running pair by Chan et al.'s update."""
+    C, bm = xt_ref.shape
+
+    def merge(i, carry):
+        mean, m2 = carry
+        x = xt_ref[pl.ds(i * bc, bc), :].astype(_F32)
+        t_mean = jnp.mean(x, axis=0)
+        t_m2 = jnp.sum(jnp.square(x - t_mean[None, :]), axis=0)
+        delta = t_mean - mean
+        f = 1.0 / (i + 1).astype(_F32)              # tile rows / rows so far (equal tiles)
+        return mean + delta * f, m2 + t_m2 + jnp.square(delta) * (bc * i.astype(_F32) * f)
+
+    zeros = jnp.zeros((bm,), _F32)
+    return jax.lax.fori_loop(0, C // bc, merge, (zeros, zeros))
+
+
+def _fwd_kernel(xt_ref, w_ref, b_ref, yt_ref, mean_ref, rstd_ref, *, eps: float, bc: int):
+    """One block of bm token columns: xt_ref `[C, bm]`, w_ref / b_ref `[C]`; writes yt_ref
+    `[C, bm]` and the columns' float32 mean / rstd `[bm]`."""
+    C = xt_ref.shape[0]
+    mean, m2 = _column_stats(xt_ref, bc)
+    rstd = jax.lax.rsqrt(m2 / C + eps)
+
+    def write(i, carry):
+        rows = pl.ds(i * bc, bc)
+        xhat = (xt_ref[rows, :].astype(_F32) - mean[None, :]) * rstd[None, :]
+        y = xhat * w_ref[rows].astype(_F32)[:, None] + b_ref[rows].astype(_F32)[:, None]
+        yt_ref[rows, :] = y.astype(yt_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, C // bc, write, 0)
+    mean_ref[...] = mean
+    rstd_ref[...] = rstd
+
+
+def _bwd_kernel(xt_ref, dyt_ref, w_ref, mean_ref, rstd_ref, dxt_ref, dw_ref, db_ref, *,
+                bc: int):
+    """One block of bm token columns: xt_ref, dyt_ref `[C, bm]`, w_ref `[C]`, mean_ref /
+    rstd_ref `[bm]`; writes dxt_ref `[C, bm]` and this block's partial sums dw_ref / db_ref
+    `[C]` (float32)."""
+    C, bm = xt_ref.shape
+    mean, rstd = mean_ref[...], rstd_ref[...]
+
+    def factors(rows):
+        xhat = (xt_ref[rows, :].astype(_F32) - mean[None, :]) * rstd[None, :]
+        dy = dyt_ref[rows, :].astype(_F32)
+        return xhat, dy, dy * w_ref[rows].astype(_F32)[:, None]
+
+    def sums(i, carry):
+        s_g, s_gx = carry
+        rows = pl.ds(i * bc, bc)
+        xhat, dy, g = factors(rows)
+        dw_ref[rows] = jnp.sum(dy * xhat, axis=1)
+        db_ref[rows] = jnp.sum(dy, axis=1)
+        return s_g + jnp.sum(g, axis=0), s_gx + jnp.sum(g * xhat, axis=0)
+
+    zeros = jnp.zeros((bm,), _F32)
+    s_g, s_gx = jax.lax.fori_loop(0, C // bc, sums, (zeros, zeros))
+    mean_g, mean_gx = s_g / C, s_gx / C
+
+    def write(i, carry):
+        rows = pl.ds(i * bc, bc)
+        xhat, _, g = factors(rows)
+        dx = rstd[None, :] * (g - mean_g[None, :] - xhat * mean_gx[None, :])
+        dxt_ref[rows, :] = dx.astype(dxt_ref.dtype)
+        return carry
+
+    jax.lax.fori_loop(0, C // bc, write, 0)
+
+
+def _launch(tune):
+    """`(bm, bc, CompilerParams)` of `tune` = `(bm, bc, num_warps, num_stages)` or None (the
+    module's defaults)."""
+    bm, bc, warps, stages = tune or (BM, BC, NUM_WARPS, NUM_STAGES)
+    return bm, bc, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _specs(C: int, bm: int):
+    """Block specs over the grid of token blocks: `[C, bm]` blocks, `[C]` per channel, `[bm]`
+    per token."""
+    return (pl.BlockSpec((C, bm), lambda j: (0, j)), pl.BlockSpec((C,), lambda j: (0,)),
+            pl.BlockSpec((bm,), lambda j: (j,)))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "interpret", "tune"))
+def layer_norm_fwd_pallas(xt_CM, weight_C, bias_C, *, eps: float, out_dtype=None,
+                          interpret: bool = False, tune=None):
+    """LayerNorm over the channels of transposed activations.
+
+    Args:
+      xt_CM: `[C, M]` (channels x tokens), any float dtype. weight_C, bias_C: `[C]`, applied
+        in float32. eps: added to the variance. out_dtype: of yt (default xt's).
+      tune: None (the defaults above) or `(bm, bc, num_warps, num_stages)`.
+    Returns:
+      `(yt_CM in out_dtype, mean_M float32, rstd_M float32)`.
+    """
+    C, M = xt_CM.shape
+    bm, bc, params = _launch(tune)
+    _check("layer_norm_fwd_pallas", M, C, bm, bc)
+    out_dtype = xt_CM.dtype if out_dtype is None else out_dtype
+    block, per_channel, per_token = _specs(C, bm)
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, eps=float(eps), bc=bc), grid=(M // bm,),
+        in_specs=[block, per_channel, per_channel], out_specs=[block, per_token, per_token],
+        out_shape=[jax.ShapeDtypeStruct((C, M), out_dtype), jax.ShapeDtypeStruct((M,), _F32),
+                   jax.ShapeDtypeStruct((M,), _F32)],
+        compiler_params=params, interpret=interpret, name="layer_norm_fwd",
+    )(xt_CM, weight_C, bias_C)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tune"))
+def layer_norm_bwd_pallas(xt_CM, dyt_CM, weight_C, mean_M, rstd_M, *, interpret: bool = False,
+                          tune=None):
+    """The LayerNorm backward for transposed activations (see the module docstring).
+
+    Args:
+      xt_CM: `[C, M]` the forward's input (dx comes back in its dtype). dyt_CM: `[C, M]`
+        cotangent of the output. weight_C: `[C]`. mean_M, rstd_M: the forward's float32
+        statistics (`layer_norm_fwd_pallas`). tune: as for the forward.
+    Returns:
+      `(dxt_CM, dweight_C float32, dbias_C float32)`.
+    """
+    C, M = xt_CM.shape
+    bm, bc, params = _launch(tune)
+    _check("layer_norm_bwd_pallas", M, C, bm, bc)
+    G = M // bm
+    block, per_channel, per_token = _specs(C, bm)
+    partial = pl.BlockSpec((pl.squeezed, C), lambda j: (j, 0))
+    dxt, dw, db = pl.pallas_call(
+        functools.partial(_bwd_kernel, bc=bc), grid=(G,),
+        in_specs=[block, block, per_channel, per_token, per_token],
+        out_specs=[block, partial, partial],
+        out_shape=[jax.ShapeDtypeStruct((C, M), xt_CM.dtype), jax.ShapeDtypeStruct((G, C), _F32),
+                   jax.ShapeDtypeStruct((G, C), _F32)],
+        compiler_params=params, interpret=interpret, name="layer_norm_bwd",
+    )(xt_CM, dyt_CM, weight_C, mean_M, rstd_M)
+    return dxt, jnp.sum(dw, axis=0), jnp.sum(db, axis=0)
