@@ -8,12 +8,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from lwm_jax import ModelConfig
 from lwm_jax.layers.norms import LN_EPS, layer_norm, layer_norm_fused
-from lwm_jax.models.rwkv7 import RWKV7
-from lwm_jax.models.rwkv7.testing import randomize_params
+from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
+                                          toy_loss_and_grads)
 from lwm_jax.ops.layer_norm import kernel_applies, layer_norm_fwd_pallas
 from lwm_jax.runtime import Runtime
 
@@ -92,19 +90,7 @@ def test_shapes_the_kernels_take():
 
 
 def _tiny_model(norm_impl, **runtime):
-    cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=32)
-    rt = Runtime(wkv_impl="chunked", chunk_size=16, norm_impl=norm_impl, ffn_impl="xla",
-                 **runtime)
-    return randomize_params(RWKV7(cfg, "bf16-mixed", runtime=rt, rngs=nnx.Rngs(0)), seed=1)
-
-
-def _loss_and_grads(model, tokens):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(params):
-        logits = nnx.merge(graphdef, params, rest)(tokens)
-        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
-    return jax.value_and_grad(loss)(params)
+    return tiny_model(128, 32, norm_impl=norm_impl, ffn_impl="xla", **runtime)
 
 
 def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
@@ -113,15 +99,10 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     `auto` on a CPU, or below `AUTO_MIN_CHANNELS`, keeps XLA's; a shape the kernels cannot
     tile, or a bad value, is a one-line error naming the knob."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (1, 64)), jnp.int32)
-    grads, losses = {}, {}
-    for impl in ("interpret", "xla"):
-        model = _tiny_model(impl)
-        jaxpr = jax.make_jaxpr(lambda t: _loss_and_grads(model, t))(tokens)
-        names = [str(e.params.get("name", "")) for e in
-                 jaxpr_eqns(jaxpr.jaxpr, "pallas_call")]
-        kernels = sum("layer_norm_" in n for n in names)
-        assert kernels == (2 * 2 * 2 if impl == "interpret" else 0), names  # fwd+bwd x 2 x 2
-        losses[impl], grads[impl] = _loss_and_grads(model, tokens)
+    runs = run_impls(_tiny_model, ("interpret", "xla"), tokens, "layer_norm_", jaxpr_eqns)
+    assert runs["interpret"][2] == 2 * 2 * 2 and runs["xla"][2] == 0   # fwd+bwd x ln1, ln2 x 2
+    losses = {impl: r[0] for impl, r in runs.items()}
+    grads = {impl: r[1] for impl, r in runs.items()}
     assert abs(float(losses["interpret"] - losses["xla"])) < 1e-2 * abs(float(losses["xla"]))
     blocks = lambda g: g["blocks"]                                          # noqa: E731
     for ln in ("ln1", "ln2"):
@@ -129,12 +110,10 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
             a = blocks(grads["interpret"])[ln][name][...]
             b = blocks(grads["xla"])[ln][name][...]
             assert _rel(a, np.asarray(b, np.float64)) < 3e-2, (ln, name)
-    loss, _ = _loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
+    loss, _ = toy_loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
     assert abs(float(loss - losses["interpret"])) < 1e-3 * abs(float(losses["xla"]))
-    auto = _tiny_model("auto")          # C = 128: a CPU, and narrower than AUTO_MIN_CHANNELS
-    jaxpr = jax.make_jaxpr(lambda t: auto(t))(tokens)
-    assert not any("layer_norm_" in str(e.params.get("name", ""))
-                   for e in jaxpr_eqns(jaxpr.jaxpr, "pallas_call"))
+    # C = 128: narrower than AUTO_MIN_CHANNELS (and, in CI, a CPU)
+    assert kernel_count(_tiny_model("auto"), tokens, "layer_norm_", jaxpr_eqns) == 0
     with pytest.raises(ValueError, match="norm_impl='interpret': .*set runtime.norm_impl=xla"):
         _tiny_model("interpret")(tokens[:, :40])            # 40 tokens: no token block
     with pytest.raises(ValueError, match="runtime.norm_impl: 'cudnn' is not one of"):

@@ -8,13 +8,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
-from lwm_jax import ModelConfig
 from lwm_jax.layers.squared_relu_mlp import squared_relu_mlp_fused
-from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.channel_mix import squared_relu
-from lwm_jax.models.rwkv7.testing import randomize_params
+from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
+                                          toy_loss_and_grads)
 from lwm_jax.ops.relu2_matmul import (kernel_applies, relu2_matmul_grad_pallas,
                                       relu2_matmul_pallas)
 from lwm_jax.precision import parse_policy
@@ -102,19 +100,8 @@ def test_shapes_the_kernels_take():
         relu2_matmul_pallas(x, jnp.zeros((C, F), BF16), interpret=True)
 
 
-def _tiny_model(ffn_impl, policy="bf16-mixed", **runtime):
-    cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=64, head_size=16)   # F = 256
-    rt = Runtime(wkv_impl="chunked", chunk_size=16, ffn_impl=ffn_impl, **runtime)
-    return randomize_params(RWKV7(cfg, policy, runtime=rt, rngs=nnx.Rngs(0)), seed=1)
-
-
-def _loss_and_grads(model, tokens):
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-
-    def loss(params):
-        logits = nnx.merge(graphdef, params, rest)(tokens)
-        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
-    return jax.value_and_grad(loss)(params)
+def _tiny_model(ffn_impl, **runtime):
+    return tiny_model(64, 16, ffn_impl=ffn_impl, **runtime)                 # F = 256
 
 
 def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
@@ -123,30 +110,22 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     a layer scan; `auto` on a CPU keeps the XLA form; a shape the kernels cannot tile is a
     one-line error."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (1, 128)), jnp.int32)
-    grads, losses = {}, {}
-    for impl in ("interpret", "xla"):
-        model = _tiny_model(impl)
-        jaxpr = jax.make_jaxpr(lambda t: _loss_and_grads(model, t))(tokens)
-        names = [str(e.params.get("name", "")) for e in
-                 jaxpr_eqns(jaxpr.jaxpr, "pallas_call")]
-        kernels = sum("relu2_matmul" in n for n in names)
-        assert kernels == (2 * 2 if impl == "interpret" else 0), names  # fwd + bwd, 2 layers
-        losses[impl], grads[impl] = _loss_and_grads(model, tokens)
+    runs = run_impls(_tiny_model, ("interpret", "xla"), tokens, "relu2_matmul", jaxpr_eqns)
+    assert runs["interpret"][2] == 2 * 2 and runs["xla"][2] == 0       # fwd + bwd, 2 layers
+    losses = {impl: r[0] for impl, r in runs.items()}
+    grads = {impl: r[1] for impl, r in runs.items()}
     assert abs(float(losses["interpret"] - losses["xla"])) < 1e-2 * abs(float(losses["xla"]))
     ffn = lambda g: g["blocks"]["ffn"]                                        # noqa: E731
     for name in ("key", "value", "x_k"):
         a, b = ffn(grads["interpret"])[name][...], ffn(grads["xla"])[name][...]
         assert _rel(a, np.asarray(b, np.float64)) < 3e-2, name
     # inside jax.checkpoint + lax.scan (the long-context runtime) it gives the same again
-    loss, g = _loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
+    loss, g = toy_loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
     assert abs(float(loss - losses["interpret"])) < 1e-3 * abs(float(losses["xla"]))
     a, b = ffn(g)["key"][...], ffn(grads["xla"])["key"][...]
     assert _rel(a, np.asarray(b, np.float64)) < 3e-2
     if jax.default_backend() == "cpu":
-        auto = _tiny_model("auto")
-        jaxpr = jax.make_jaxpr(lambda t: auto(t))(tokens)
-        assert not any("relu2_matmul" in str(e.params.get("name", ""))
-                       for e in jaxpr_eqns(jaxpr.jaxpr, "pallas_call"))
+        assert kernel_count(_tiny_model("auto"), tokens, "relu2_matmul", jaxpr_eqns) == 0
     with pytest.raises(ValueError, match="ffn_impl='interpret': .*set runtime.ffn_impl=xla"):
         _tiny_model("interpret")(tokens[:, :100])            # 100 tokens: no row tile
     with pytest.raises(ValueError, match="runtime.ffn_impl: 'triton' is not one of"):

@@ -3,6 +3,8 @@
 At the official init `W_o = 0` and `ffn.value = 0`, so every block is the identity and tests of
 state carry, scan-vs-loop or import/export would pass vacuously. `randomize_params` adds noise of
 a sensible scale to every parameter (in place) so each path of the model matters.
+`tiny_model` and `toy_loss_and_grads` serve the tests that compare a kernel knob's choices
+(`Runtime.*_impl`) on a whole model.
 """
 from __future__ import annotations
 
@@ -42,6 +44,47 @@ def randomize_params(model: nnx.Module, seed: int = 0, scale: float = 1.0) -> nn
     nnx.replace_by_pure_dict(state, new)
     nnx.update(model, state)
     return model
+
+
+def tiny_model(n_embd: int, head_size: int, policy: str = "bf16-mixed", **runtime):
+    """A randomised two-layer RWKV-7 (vocabulary 97) with the chunked XLA WKV (chunk 16) and
+    the given `Runtime` fields."""
+    from lwm_jax.models.rwkv7.config import ModelConfig
+    from lwm_jax.models.rwkv7.model import RWKV7
+    from lwm_jax.runtime import Runtime
+    cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=n_embd, head_size=head_size)
+    rt = Runtime(**{"wkv_impl": "chunked", "chunk_size": 16, **runtime})
+    return randomize_params(RWKV7(cfg, policy, runtime=rt, rngs=nnx.Rngs(0)), seed=1)
+
+
+def toy_loss_and_grads(model: nnx.Module, tokens_BT):
+    """`(loss, parameter gradients)` of a toy loss on the model's logits (mean over positions
+    of logsumexp minus the first logit): every parameter gets a gradient."""
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+    def loss(params):
+        logits = nnx.merge(graphdef, params, rest)(tokens_BT)
+        return jnp.mean(jax.nn.logsumexp(logits, -1) - logits[..., 0])
+    return jax.value_and_grad(loss)(params)
+
+
+def kernel_count(model: nnx.Module, tokens_BT, kernel: str, find_eqns) -> int:
+    """How many `pallas_call`s named with `kernel` the jaxpr of `toy_loss_and_grads(model,
+    tokens)` holds (`find_eqns(jaxpr, primitive)`: the tests' `jaxpr_eqns` fixture)."""
+    jaxpr = jax.make_jaxpr(lambda t: toy_loss_and_grads(model, t))(tokens_BT)
+    return sum(kernel in str(e.params.get("name", ""))
+               for e in find_eqns(jaxpr.jaxpr, "pallas_call"))
+
+
+def run_impls(build, impls, tokens_BT, kernel: str, find_eqns) -> dict:
+    """For each knob value in `impls`: `(loss, grads, kernel_count)` of the model
+    `build(impl)` (see `toy_loss_and_grads`, `kernel_count`)."""
+    out = {}
+    for impl in impls:
+        model = build(impl)
+        out[impl] = (*toy_loss_and_grads(model, tokens_BT),
+                     kernel_count(model, tokens_BT, kernel, find_eqns))
+    return out
 
 
 def param_dict(model: nnx.Module) -> dict:
