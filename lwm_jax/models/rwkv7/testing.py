@@ -13,6 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.models.rwkv7.model import RWKV7
+from lwm_jax.runtime import Runtime
+
 # [..., in, out] matrices: noise ~ N(0, 1/in); vectors: noise ~ N(0, 0.1²); emb: N(0, 1).
 MATRIX_NAMES = frozenset({"receptance", "key", "value", "output", "head",
                           "w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"})
@@ -49,9 +53,6 @@ def randomize_params(model: nnx.Module, seed: int = 0, scale: float = 1.0) -> nn
 def tiny_model(n_embd: int, head_size: int, policy: str = "bf16-mixed", **runtime):
     """A randomised two-layer RWKV-7 (vocabulary 97) with the chunked XLA WKV (chunk 16) and
     the given `Runtime` fields."""
-    from lwm_jax.models.rwkv7.config import ModelConfig
-    from lwm_jax.models.rwkv7.model import RWKV7
-    from lwm_jax.runtime import Runtime
     cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=n_embd, head_size=head_size)
     rt = Runtime(**{"wkv_impl": "chunked", "chunk_size": 16, **runtime})
     return randomize_params(RWKV7(cfg, policy, runtime=rt, rngs=nnx.Rngs(0)), seed=1)
