@@ -107,16 +107,17 @@ RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
 
 
 def kernel_chosen(field: str, impl: str, *, one_device: bool, on_gpu: bool, fits: bool,
-                  kernel: str, needs: str) -> bool:
+                  kernel: str, needs: str, pays: bool = True) -> bool:
     """The rule of the Pallas-kernel knobs (`ln_x_impl`, `ffn_impl`, `norm_impl`; values
-    `KERNEL_IMPLS`): whether the kernel runs. "xla": never; "auto": on one GPU when it `fits`;
-    "pallas" / "interpret": always, and a one-line ValueError naming `runtime.<field>` on a
-    device mesh (the kernels have no sharding rule) or when it does not fit (`needs`: what it
-    takes). `kernel` names it in those errors."""
+    `KERNEL_IMPLS`): whether the kernel runs. "xla": never; "auto": on one GPU when it `fits`
+    and `pays` (where it measured faster than XLA's form); "pallas" / "interpret": always, and
+    a one-line ValueError naming `runtime.<field>` on a device mesh (the kernels have no
+    sharding rule) or when it does not fit (`needs`: what it takes). `kernel` names it in those
+    errors."""
     if impl == "xla":
         return False
     if impl == "auto":
-        return fits and one_device and on_gpu
+        return fits and pays and one_device and on_gpu
     if not one_device:
         raise ValueError(f"runtime.{field}={impl!r}: {kernel} runs on one device (it has no "
                          "sharding rule); on a device mesh use auto or xla")

@@ -93,9 +93,8 @@ def _norm(x_BTC, p: dict, cd, impl: str, *, one_device: bool):
     B, T, C = x_BTC.shape
     use = kernel_chosen(
         "norm_impl", impl, one_device=one_device, on_gpu=jax.default_backend() == "gpu",
-        fits=(jnp.dtype(cd) == jnp.bfloat16 and ln_kernel_applies(B * T, C)
-              and (impl != "auto" or C >= LN_AUTO_MIN_CHANNELS)),
-        kernel="the Pallas LayerNorm",
+        fits=jnp.dtype(cd) == jnp.bfloat16 and ln_kernel_applies(B * T, C),
+        pays=C >= LN_AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
         needs=f"a bf16 compute dtype and tokens x channels {B * T} x {C} in multiples of the "
               "kernel's blocks (ops.layer_norm.kernel_applies)")
     if use:
