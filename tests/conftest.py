@@ -22,10 +22,14 @@ ON_GPU = jax.default_backend() == "gpu"
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `slow` run first (longest-first keeps the two xdist workers busy to the
-    end instead of leaving one idle behind a long test collected last). Tests marked `gpu` need
-    compiled CUDA kernels: skip them cleanly elsewhere."""
-    items.sort(key=lambda item: "slow" not in item.keywords)       # stable: order kept otherwise
+    """Files with a test marked `slow` run first, each file's tests kept together
+    (longest-first keeps the two xdist workers busy to the end instead of leaving one idle
+    behind a long test collected last; a file kept whole stays on one worker, so its
+    module-scoped fixtures are built once, not once per worker: the sequence-parallel file's
+    took ~65 s twice when its one fast test was sorted away from its slow ones). Tests marked
+    `gpu` need compiled CUDA kernels: skip them cleanly elsewhere."""
+    slow_files = {item.path for item in items if "slow" in item.keywords}
+    items.sort(key=lambda item: item.path not in slow_files)       # stable: order kept otherwise
     if ON_GPU:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.default_backend() is "
