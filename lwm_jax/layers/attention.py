@@ -24,6 +24,12 @@ query inside its own segment (splash: the kernel's segment ids). With a cache, q
 
 Heads: queries `[B, T, H, D]`, keys/values `[B, S, K, D]` with `H % K == 0` (K = H is plain
 multi-head attention, K = 1 multi-query).
+
+Platform: the kernel choice reads the platform the program is compiled for (`platform`, the
+model's mesh's devices, `lwm_jax.hardware.platform_of`), never JAX's default backend, so a CPU
+host compiling for a TPU topology takes the splash path. On a device mesh of several chips the
+splash kernel runs per chip inside a `shard_map` (`attention_tpu.splash_self_attention_sharded`);
+a mesh that splits T (`sequence` > 1) keeps XLA's form, which the partitioner can split.
 """
 from __future__ import annotations
 
@@ -32,7 +38,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.layers.attention_tpu import splash_self_attention, splash_supported
+from lwm_jax.hardware import platform_of
+from lwm_jax.layers.attention_tpu import splash_self_attention_sharded, splash_supported
+from lwm_jax.layers.layout import SEQUENCE_AXIS
 
 
 @jax.tree_util.register_dataclass
@@ -74,11 +82,13 @@ def cache_mask(length_B, T: int, S: int):
     return (jnp.arange(S, dtype=jnp.int32)[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
-def attend(q_BTHD, k_BSKD, v_BSKD, *, precision: str, mask=None, is_causal: bool = False):
+def attend(q_BTHD, k_BSKD, v_BSKD, *, precision: str, mask=None, is_causal: bool = False,
+           platform: str | None = None):
     """`softmax(q k^T / sqrt(D) + mask) v` per head group; returns `[B, T, H, D]` in q's dtype.
 
     `precision`: matmul precision name for float32 inputs ("default" | "high" | "highest").
     `mask`: optional bool `[B, 1, T, S]` (True = attend).
+    `platform`: the platform the program is compiled for (None: JAX's default devices').
     """
     H, K = q_BTHD.shape[2], k_BSKD.shape[2]
     if H % K:
@@ -87,39 +97,46 @@ def attend(q_BTHD, k_BSKD, v_BSKD, *, precision: str, mask=None, is_causal: bool
     with jax.default_matmul_precision(precision):
         return jax.nn.dot_product_attention(q_BTHD, k_BSKD.astype(dtype), v_BSKD.astype(dtype),
                                             mask=mask, is_causal=is_causal,
-                                            implementation=_implementation(q_BTHD, mask))
+                                            implementation=_implementation(
+                                                q_BTHD, mask, platform or platform_of()))
 
 
-def _implementation(q_BTHD, mask):
+def _implementation(q_BTHD, mask, platform: str):
     """"cudnn" for 16-bit attention without an explicit mask on a GPU (head_dim a multiple of
     8, at most 128: what cuDNN's fused kernel takes); None (JAX's choice: XLA) otherwise."""
     D = q_BTHD.shape[-1]
-    if (jax.default_backend() != "gpu" or mask is not None or D > 128 or D % 8
+    if (platform != "gpu" or mask is not None or D > 128 or D % 8
             or jnp.dtype(q_BTHD.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))):
         return None
     return "cudnn"
 
 
 def self_attention(q_BTHD, k_BTKD, v_BTKD, *, precision: str, segment_ids_BT=None,
-                   interpret: bool = False):
+                   interpret: bool = False, platform: str | None = None, mesh=None):
     """Causal attention of a whole sequence (training, scoring, prefill without a cache).
 
     q `[B, T, H, D]`, k/v `[B, T, K, D]`, optional int `segment_ids_BT` `[B, T]`; returns
     `[B, T, H, D]` in q's dtype. On a TPU, bfloat16 inputs with T a multiple of 128 take the
     splash kernel (`interpret=True` runs it in Pallas' interpreter: tests); otherwise XLA/cuDNN.
+    `platform`: the platform the program is compiled for (None: JAX's default devices');
+    `mesh`: the device mesh the step runs on (None or one device: no `shard_map`).
     """
-    if _use_splash(q_BTHD):
-        return splash_self_attention(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=segment_ids_BT,
-                                     interpret=interpret)
+    platform = platform or platform_of(mesh)
+    if _use_splash(q_BTHD, platform, mesh):
+        return splash_self_attention_sharded(q_BTHD, k_BTKD, v_BTKD, mesh=mesh,
+                                             segment_ids_BT=segment_ids_BT, interpret=interpret)
     if segment_ids_BT is None:
-        return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision, is_causal=True)
+        return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision, is_causal=True,
+                      platform=platform)
     return attend(q_BTHD, k_BTKD, v_BTKD, precision=precision,
-                  mask=segment_mask(segment_ids_BT))
+                  mask=segment_mask(segment_ids_BT), platform=platform)
 
 
-def _use_splash(q_BTHD) -> bool:
-    """Splash on a TPU for bfloat16 queries over T a multiple of 128 (see the module note)."""
-    return (jax.default_backend() == "tpu" and splash_supported(q_BTHD.shape[1])
+def _use_splash(q_BTHD, platform: str, mesh) -> bool:
+    """Splash on a TPU for bfloat16 queries over T a multiple of 128, T not split over the
+    mesh (see the module note)."""
+    unsplit_T = mesh is None or mesh.shape.get(SEQUENCE_AXIS, 1) == 1
+    return (platform == "tpu" and unsplit_T and splash_supported(q_BTHD.shape[1])
             and jnp.dtype(q_BTHD.dtype) == jnp.dtype(jnp.bfloat16))
 
 

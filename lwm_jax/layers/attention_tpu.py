@@ -28,9 +28,13 @@ XLA path does explicitly; for float32 inputs the default would be one bf16 MXU p
 policy asked, which is why `self_attention` sends only bfloat16 here. Gradients come from the
 kernel's own dQ and dK/dV kernels (float32 accumulation, logsumexp saved by the forward).
 
-Sharding: the kernel is called per device as is (no `shard_map`), like the Pallas WKV kernel:
-on a multi-chip mesh XLA cannot split the opaque call and is expected to gather its inputs
-(see docs/tpu.md, "Known gaps"). Not yet run on a real TPU: the tests run the interpreter.
+Sharding: the kernel is an opaque custom call that XLA's partitioner cannot split (it would
+gather the whole batch onto every chip), so on a mesh of several devices
+`splash_self_attention_sharded` runs it per chip inside a `shard_map`: rows over the batch axes
+(`data`, `fsdp`), heads over `tensor` when it divides both head counts, T whole (a mesh that
+splits T keeps XLA's attention: `layers.attention`). Compiled by the real TPU compiler for v4,
+v5e, v5p and v6e (tests/layers/test_attention_tpu.py); numerics tested in the interpreter;
+never run on TPU hardware here.
 
 Works with jax 0.10.x and 0.11.x (the splash-attention sources are identical in both).
 """
@@ -40,6 +44,9 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from lwm_jax.layers.layout import BATCH_AXES
 
 MIN_BLOCK = 128
 _BLOCKS = (512, 256, 128)
@@ -128,3 +135,35 @@ def splash_self_attention(q_BTHD, k_BTKD, v_BTKD, *, segment_ids_BT=None,
             return kernel(q_HTD, k_KTD, v_KTD, segment_ids=SegmentIds(q=seg_T, kv=seg_T))
         out_BHTD = jax.vmap(one_row)(q_BHTD, k_BKTD, v_BKTD, seg_BT)
     return jnp.swapaxes(out_BHTD, 1, 2)
+
+
+def splash_self_attention_sharded(q_BTHD, k_BTKD, v_BTKD, *, mesh=None, segment_ids_BT=None,
+                                  interpret: bool = False):
+    """`splash_self_attention` run per device of `mesh` (None or one device: a plain call).
+
+    Rows are split over the mesh's batch axes (`data`, `fsdp`) when B divides over them, heads
+    over `tensor` when it divides both H and K; every device runs the kernel on its own rows and
+    heads with T whole. Same arguments and result as `splash_self_attention`.
+    """
+    if mesh is None or mesh.size == 1:
+        return splash_self_attention(q_BTHD, k_BTKD, v_BTKD, segment_ids_BT=segment_ids_BT,
+                                     interpret=interpret)
+    B, _, H, _ = q_BTHD.shape
+    K = k_BTKD.shape[2]
+    size = lambda axes: math.prod(mesh.shape.get(a, 1) for a in axes)  # noqa: E731
+    rows = tuple(a for a in BATCH_AXES if a in mesh.shape) if B % size(BATCH_AXES) == 0 else ()
+    t = mesh.shape.get("tensor", 1)
+    heads = "tensor" if t > 1 and H % t == 0 and K % t == 0 else None
+    x_spec = P(rows or None, None, heads, None)
+    specs, args = [x_spec] * 3, [q_BTHD, k_BTKD, v_BTKD]
+    if segment_ids_BT is not None:
+        specs.append(P(rows or None, None))
+        args.append(jnp.asarray(segment_ids_BT, jnp.int32))
+
+    def per_device(q, k, v, *seg):
+        return splash_self_attention(q, k, v, segment_ids_BT=seg[0] if seg else None,
+                                     interpret=interpret)
+    # The Mosaic call's outputs carry no varying-axis types, which shard_map's check rejects.
+    fn = jax.shard_map(per_device, mesh=mesh, in_specs=tuple(specs), out_specs=x_spec,
+                       check_vma=False)
+    return fn(*args)

@@ -21,6 +21,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS
 from lwm_jax.ops.xent import vocab_block, xent_pallas, xent_reference
 
@@ -77,7 +78,7 @@ def lm_loss(logits_BTV: jax.Array, targets_BT: jax.Array, *, use_l2wrap: bool) -
 
 def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets_BT: jax.Array,
                   *, chunk_tokens: int, use_l2wrap: bool, mesh=None,
-                  xent_impl: str = "auto") -> jax.Array:
+                  xent_impl: str = "auto", platform: str | None = None) -> jax.Array:
     """`lm_loss(head_fn(x, head_params), targets)` without ever holding `[B, T, V]` logits.
 
     The positions are cut into the fewest chunks of at most `chunk_tokens` tokens (at most
@@ -102,22 +103,27 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
         (`lwm_jax.ops.xent.xent_pallas`: one kernel, the same bytes at a higher bandwidth),
         "interpret" (that kernel in the Pallas interpreter, for tests) or "auto": "pallas" on
         one GPU when the vocabulary allows it (`vocab_block`), else "xla".
+      platform: the platform the step is compiled for ("auto" reads it; None: the mesh's
+        devices', or JAX's default devices' without a mesh).
     Returns:
       float32 scalar, the mean cross-entropy in nats (equal to `lm_loss` up to summation order).
     """
     if xent_impl not in XENT_IMPLS:
         raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, "
                          f"got {xent_impl!r}")
+    if xent_impl == "auto":
+        on_gpu = (platform or platform_of(mesh)) == "gpu"
+        one_device = mesh is None or mesh.size == 1
+        xent_impl = "pallas" if on_gpu and one_device and vocab_block(
+            _vocab_of(head_fn, x_BTC, head_params)) is not None else "xla"
     return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
                   targets_BT)
 
 
-def _kernel_applies(xent_impl: str, vocab: int, mesh) -> bool:
-    """Whether a chunk's statistics and gradient come from `xent_pallas` (see `fused_lm_loss`)."""
-    if xent_impl != "auto":
-        return xent_impl in ("pallas", "interpret")
-    return (jax.default_backend() == "gpu" and (mesh is None or mesh.size == 1)
-            and vocab_block(vocab) is not None)
+def _vocab_of(head_fn, x_BTC, head_params) -> int:
+    """The vocabulary size `head_fn` produces (its logits' last dim, from shapes alone)."""
+    one = jax.ShapeDtypeStruct((1, 1, x_BTC.shape[-1]), x_BTC.dtype)
+    return int(jax.eval_shape(head_fn, one, head_params).shape[-1])
 
 
 def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
@@ -196,7 +202,7 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
         weight_Bn = valid_n[None, :] * inv_total
         scale_Bn = jnp.broadcast_to(valid_n[None, :], tgt_Bn.shape)
         l2wrap_factor = L2WRAP_FACTOR if use_l2wrap else None
-        if with_grad and _kernel_applies(xent_impl, logits_BnV.shape[-1], mesh):
+        if with_grad and xent_impl in ("pallas", "interpret"):
             # one kernel (`lwm_jax.ops.xent`); the gradient written in the dtype the head's
             # backward products round the cotangent to (x's: the compute dtype), widened for
             # the pullback below: the same bits reach the products

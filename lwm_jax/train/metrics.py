@@ -6,7 +6,7 @@ previous record (wall clock, data loading included). Model FLOPs per token are `
 (forward + backward of the matmuls; the WKV recurrence and attention-free mixing are not
 counted), so `tflops = 6 * n_params * tokens_per_s / 1e12` summed over all devices, and
 `mfu = tflops * 1e12 / (peak_flops_per_device * n_devices)`; `mfu` is null on devices with no
-entry in `PEAK_FLOPS` (CPUs).
+entry in `lwm_jax.hardware.CHIPS` (CPUs).
 
 Record formats (metrics.jsonl: one strict-JSON object per line; non-finite numbers are null):
   train:  {"step", "loss" (this step's), "loss_mean" (mean of the finite losses of the steps
@@ -26,29 +26,8 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 
+from lwm_jax.hardware import peak_flops_per_device
 from lwm_jax.train.trackers import JsonlTracker, Tracker, make_trackers
-
-# Dense bf16 peak FLOP/s per chip, matched by substring of `device.device_kind` (lower case).
-PEAK_FLOPS: dict[str, float] = {
-    "h100": 989e12,
-    "h200": 989e12,
-    "v5 lite": 197e12,
-    "v5e": 197e12,
-    "v5p": 459e12,
-}
-
-
-def peak_flops_per_device(device: Any | None = None) -> float | None:
-    """Peak FLOP/s of one device from `PEAK_FLOPS`, or None when unknown (CPU)."""
-    device = jax.devices()[0] if device is None else device
-    if device.platform == "cpu":
-        return None
-    kind = device.device_kind.lower()
-    for key, flops in PEAK_FLOPS.items():
-        if key in kind:
-            return flops
-    return None
-
 
 @jax.jit
 def _accumulate(acc, loss, finite):

@@ -97,7 +97,8 @@ def model_loss(model, inputs_BT, targets_BT, *, use_l2wrap: bool, loss_chunk: in
         return chunked_cross_entropy(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
                                      mesh=mesh)
     return fused_lm_loss(fn, x_BTC, hp, targets_BT, chunk_tokens=loss_chunk,
-                         use_l2wrap=use_l2wrap, mesh=mesh)
+                         use_l2wrap=use_l2wrap, mesh=mesh,
+                         platform=getattr(model, "platform", None))
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformationExtraArgs,

@@ -6,7 +6,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers import attention
 from lwm_jax.layers.attention import cached_attention, empty_cache, self_attention
 from lwm_jax.layers.attention_tpu import block_size, splash_self_attention, splash_supported
 
@@ -102,7 +101,7 @@ def test_direct_call_rejects_bad_shapes_in_one_line():
         _splash(q, k, v, jnp.zeros((1, 64), jnp.int32))
 
 
-def test_tpu_dispatch_selects_splash_only_where_it_applies(monkeypatch, jaxpr_eqns):
+def test_tpu_dispatch_selects_splash_only_where_it_applies(jaxpr_eqns):
     def _kernels(fn, *args):
         """Pallas calls in `fn`'s jaxpr (a fresh lambda: jax caches traces per function, and
         the patched backend is not part of the cache key)."""
@@ -111,11 +110,11 @@ def test_tpu_dispatch_selects_splash_only_where_it_applies(monkeypatch, jaxpr_eq
     q, k, v = _qkv(6, 2, 256, 4, 2, 64, jnp.bfloat16)
     seg = _packed(2, 256)
 
-    def run(q, k, v, seg=None, precision="default"):
-        return self_attention(q, k, v, precision=precision, segment_ids_BT=seg, interpret=True)
-    assert _kernels(run, q, k, v) == 0                      # CPU: unchanged (XLA)
-    monkeypatch.setattr(attention.jax, "default_backend", lambda: "tpu")
-    assert _kernels(run, q, k, v) == 1                      # TPU, bf16: splash
+    def run(q, k, v, seg=None, precision="default", platform="tpu"):
+        return self_attention(q, k, v, precision=precision, segment_ids_BT=seg, interpret=True,
+                              platform=platform)
+    assert _kernels(lambda *a: run(*a, platform=None), q, k, v) == 0   # CPU: unchanged (XLA)
+    assert _kernels(run, q, k, v) == 1                      # compiled for TPU, bf16: splash
     assert _kernels(run, q, k, v, seg) == 1                 # packed documents too
     out = run(q, k, v, seg)
     np.testing.assert_array_equal(np.asarray(out, np.float32),

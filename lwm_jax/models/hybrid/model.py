@@ -45,6 +45,7 @@ from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.norms import LayerNorm, layer_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.hybrid.config import HybridConfig
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import Attention, attention_forward
 from lwm_jax.models.rwkv7 import init
@@ -109,6 +110,7 @@ class RWKVHybrid(nnx.Module):
         if mesh is not None and mesh.shape.get("sequence", 1) > 1:
             raise ValueError("mesh.sequence: a hybrid model cannot shard the sequence yet (its "
                              "attention layers have no ring attention); set mesh.sequence=1")
+        self.platform = platform_of(mesh)      # the devices it is compiled for pick the kernels
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
@@ -198,7 +200,8 @@ class RWKVHybrid(nnx.Module):
         def rwkv_layer(p, x, v_first, seg, first, layer_probe=None):
             x, v_first, _ = block_forward(p, pin(x), pin(v_first), zero, first=first, cfg=c,
                                           policy=policy, runtime=rt, segment_ids_BT=seg,
-                                          probe=layer_probe, wkv_op=wkv_op)
+                                          probe=layer_probe, wkv_op=wkv_op,
+                                          platform=self.platform)
             return pin(x), pin(v_first)
 
         def attention_layer(p, x, seg, layer_probe=None):
@@ -206,13 +209,15 @@ class RWKVHybrid(nnx.Module):
             x = pin(x)
             xn = layer_norm(x, p["ln1"]["weight"], p["ln1"]["bias"], out_dtype=cd)
             att, _ = attention_forward(p["attn"], xn, cos, sin, None, cfg=shape, policy=policy,
-                                       segment_ids_BT=seg)
+                                       segment_ids_BT=seg, platform=self.platform,
+                                       mesh=self.mesh)
             x = x + att
             if layer_probe is not None:
                 layer_probe("x_att", x)
             xn2 = layer_norm(x, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
             x = x + channel_mix_forward(p["ffn"], xn2, zero.cmix_shift, policy=policy,
-                                        segment_ids_BT=seg, probe=scoped(layer_probe, "ffn"))
+                                        segment_ids_BT=seg, probe=scoped(layer_probe, "ffn"),
+                                        platform=self.platform)
             if layer_probe is not None:
                 layer_probe("x_out", x)
             return pin(x)

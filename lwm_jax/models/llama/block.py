@@ -79,8 +79,9 @@ class Block(nnx.Module):
 
 @jax.named_scope("attention")
 def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
-                      segment_ids_BT=None):
-    """One layer's attention on normalised input `x_BTC` -> `([B, T, C], new cache or None)`."""
+                      segment_ids_BT=None, platform: str | None = None, mesh=None):
+    """One layer's attention on normalised input `x_BTC` -> `([B, T, C], new cache or None)`.
+    `platform` / `mesh`: what the program is compiled for (`layers.attention.self_attention`)."""
     B, T, _ = x_BTC.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     q = policy.einsum("btc,cf->btf", x_BTC, p["q"]).reshape(B, T, H, D)
@@ -89,7 +90,8 @@ def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *
     q, k = apply_rope(q, cos_BTK, sin_BTK), apply_rope(k, cos_BTK, sin_BTK)
     prec = policy.matmul_precision
     if cache is None:
-        out = self_attention(q, k, v, precision=prec, segment_ids_BT=segment_ids_BT)
+        out = self_attention(q, k, v, precision=prec, segment_ids_BT=segment_ids_BT,
+                             platform=platform, mesh=mesh)
     else:
         out, cache = cached_attention(q, k, v, cache, precision=prec)
     return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"]), cache
@@ -105,7 +107,7 @@ def mlp_forward(p: dict, x_BTC, *, policy):
 
 
 def block_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
-                  segment_ids_BT=None, probe=None):
+                  segment_ids_BT=None, probe=None, platform: str | None = None, mesh=None):
     """One layer: `x += attn(norm(x)); x += mlp(norm(x))`.
 
     Args:
@@ -116,13 +118,16 @@ def block_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cf
       cfg: the resolved `LlamaConfig`. policy: `Policy`.
       segment_ids_BT: packed-document ids (whole-sequence attention only).
       probe: optional `probe(name, x)` tap: `attn_out`, `x_att`, `mlp_out`, `x_out`.
+      platform, mesh: the platform and device mesh the program is compiled for (the model's;
+        they pick the attention kernel and how it is split over devices).
     Returns:
       `(x_BTC, new cache or None)`.
     """
     cd = policy.compute_dtype
     h = rms_norm(x_BTC, p["attn_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
     att, cache = attention_forward(p["attn"], h, cos_BTK, sin_BTK, cache, cfg=cfg,
-                                   policy=policy, segment_ids_BT=segment_ids_BT)
+                                   policy=policy, segment_ids_BT=segment_ids_BT,
+                                   platform=platform, mesh=mesh)
     x_BTC = x_BTC + att
     h = rms_norm(x_BTC, p["mlp_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
     mlp = mlp_forward(p["mlp"], h, policy=policy)

@@ -57,6 +57,7 @@ from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.llama.block import INIT_STD, Block, block_forward, normal
 from lwm_jax.models.llama.config import LlamaConfig
@@ -72,8 +73,9 @@ class Llama(nnx.Module):
       cfg: `LlamaConfig` (`self.cfg` holds the resolved copy: head_dim, ffn_hidden filled).
       policy: `Policy` or a `parse_policy` string.
       runtime: `Runtime` (remat, remat_policy, scan_layers); None = defaults.
-      mesh: the device mesh, or None; only the embedding's gradient reduction reads it
-        (`lwm_jax.layers.embedding`).
+      mesh: the device mesh, or None. Its devices' platform picks the attention kernel (splash
+        on TPU, cuDNN on GPU), which runs per device on a mesh of several; the embedding's
+        gradient reduction reads it too (`lwm_jax.layers.embedding`).
       rngs: `nnx.Rngs`; the `params` stream seeds the init.
     """
 
@@ -84,6 +86,7 @@ class Llama(nnx.Module):
         if runtime is not None and not isinstance(runtime, Runtime):
             raise TypeError(f"Llama: runtime must be a lwm_jax.runtime.Runtime, got "
                             f"{type(runtime).__name__}")
+        self.platform = platform_of(mesh)      # the devices it is compiled for pick the kernels
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
@@ -184,7 +187,8 @@ class Llama(nnx.Module):
     def _run_blocks(self, params, x_BTC, cos, sin, cache, segment_ids, probe):
         """All L layers by Python loop or `lax.scan`, each optionally rematerialised."""
         cfg, policy, rt = self.cfg, self.policy, self.runtime
-        fn = partial(block_forward, cfg=cfg, policy=policy)
+        fn = partial(block_forward, cfg=cfg, policy=policy, platform=self.platform,
+                     mesh=self.mesh)
         pin = partial(pin_activation, mesh=self.mesh)     # `layers/layout.py` says why
 
         def plain(p, x, layer_cache, layer_probe=None):

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
 from lwm_jax.layers.norms import LN_EPS, LayerNorm, layer_norm, layer_norm_fused
 from lwm_jax.ops.layer_norm import AUTO_MIN_CHANNELS as LN_AUTO_MIN_CHANNELS
@@ -47,7 +48,7 @@ class Block(nnx.Module):
 
 
 def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
-                  runtime, segment_ids_BT=None, probe=None, wkv_op=None):
+                  runtime, segment_ids_BT=None, probe=None, wkv_op=None, platform=None):
     """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
 
     Args:
@@ -61,38 +62,44 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
         residual stream after each (`x_att`, `x_out`).
       wkv_op: the WKV7 function TimeMix calls (None: `lwm_jax.ops.wkv7`).
+      platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (the model's
+        mesh's, `lwm_jax.hardware.platform_of`; None: JAX's default devices'): it decides
+        which kernels "auto" picks.
     Returns:
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """
     cd = policy.compute_dtype
+    platform = platform or platform_of()
     with jax.named_scope("block_norm"):
-        xn = _norm(x_BTC, p["ln1"], cd, runtime.norm_impl, one_device=wkv_op is None)
+        xn = _norm(x_BTC, p["ln1"], cd, runtime.norm_impl, one_device=wkv_op is None,
+                   platform=platform)
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
         segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"), wkv_op=wkv_op,
-        ln_x_impl=runtime.ln_x_impl)
+        ln_x_impl=runtime.ln_x_impl, platform=platform)
     x_BTC = x_BTC + att
     if probe is not None:
         probe("x_att", x_BTC)
     with jax.named_scope("block_norm"):
-        xn2 = _norm(x_BTC, p["ln2"], cd, runtime.norm_impl, one_device=wkv_op is None)
+        xn2 = _norm(x_BTC, p["ln2"], cd, runtime.norm_impl, one_device=wkv_op is None,
+                    platform=platform)
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
                                         probe=scoped(probe, "ffn"), ffn_impl=runtime.ffn_impl,
-                                        one_device=wkv_op is None)
+                                        one_device=wkv_op is None, platform=platform)
     if probe is not None:
         probe("x_out", x_BTC)
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)
     return x_BTC, v_first_BTC, new_state
 
 
-def _norm(x_BTC, p: dict, cd, impl: str, *, one_device: bool):
+def _norm(x_BTC, p: dict, cd, impl: str, *, one_device: bool, platform: str):
     """`layer_norm(x, weight, bias)` in compute dtype `cd`, as the Pallas kernels
     (`layers.norms.layer_norm_fused`) when `runtime.norm_impl` chooses them."""
     B, T, C = x_BTC.shape
     use = kernel_chosen(
-        "norm_impl", impl, one_device=one_device, on_gpu=jax.default_backend() == "gpu",
+        "norm_impl", impl, one_device=one_device, on_gpu=platform == "gpu",
         fits=jnp.dtype(cd) == jnp.bfloat16 and ln_kernel_applies(B * T, C),
         pays=C >= LN_AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
         needs=f"a bf16 compute dtype and tokens x channels {B * T} x {C} in multiples of the "

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.shift import token_shift
 from lwm_jax.layers.squared_relu_mlp import squared_relu_mlp_fused
@@ -48,7 +49,8 @@ class ChannelMix(nnx.Module):
 
 @jax.named_scope("channel_mix")
 def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None,
-                        ffn_impl: str = "xla", one_device: bool = True):
+                        ffn_impl: str = "xla", one_device: bool = True,
+                        platform: str | None = None):
     """One layer's ChannelMix.
 
     Args:
@@ -62,6 +64,7 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
         inside the value weight's input-gradient GEMM) or "auto" ("pallas" on one GPU under a
         bf16 compute dtype when the shapes tile, no probe; else "xla").
       one_device: False on a device mesh (the kernels have no sharding rule).
+      platform: the platform the program is compiled for (None: JAX's default devices').
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.
     """
@@ -69,7 +72,8 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + param_mul(xx, p["x_k"])       # x_k's gradient summed in float32
-    if _use_kernel(ffn_impl, one_device, policy, probe, k.shape, p["key"].shape):
+    if _use_kernel(ffn_impl, one_device, platform or platform_of(), policy, probe, k.shape,
+                   p["key"].shape):
         B, T, C = k.shape
         out = squared_relu_mlp_fused(k.reshape(B * T, C), p["key"], p["value"], jnp.dtype(cd),
                                      policy.lax_precision, ffn_impl == "interpret")
@@ -86,12 +90,12 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     return out
 
 
-def _use_kernel(impl, one_device, policy, probe, shape_BTC, shape_CF) -> bool:
+def _use_kernel(impl, one_device, platform, policy, probe, shape_BTC, shape_CF) -> bool:
     """Whether ChannelMix runs `squared_relu_mlp_fused` (see `channel_mix_forward`)."""
     B, T, C = shape_BTC
     F = shape_CF[-1]
     return kernel_chosen(
-        "ffn_impl", impl, one_device=one_device, on_gpu=jax.default_backend() == "gpu",
+        "ffn_impl", impl, one_device=one_device, on_gpu=platform == "gpu",
         fits=(jnp.dtype(policy.compute_dtype) == jnp.bfloat16 and probe is None
               and kernel_applies(B * T, C, F)),
         kernel="the Pallas ChannelMix GEMMs",

@@ -50,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.models.stacked import unstack
@@ -112,6 +113,7 @@ class RWKV7(nnx.Module):
         # is a custom call XLA's partitioner cannot split, so under automatic partitioning each
         # device would gather the whole batch and run all of it.
         self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+        self.platform = platform_of(mesh)      # the devices it is compiled for pick the kernels
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.emb = nnx.Param(init.embedding(rngs.params(), V, C, pd),
                              logical_axes=("vocab", "embed"))
@@ -224,7 +226,7 @@ class RWKV7(nnx.Module):
         def make(first, remat):
             """`first`: True / False (layer 0 / later ones), or None: a traced flag per call."""
             fn = partial(block_forward, cfg=cfg, policy=policy, runtime=rt,
-                         wkv_op=self._wkv_op())
+                         wkv_op=self._wkv_op(), platform=self.platform)
 
             def step(p, x, v_first, st, seg, is_first=None, layer_probe=None):
                 x, v_first, st = fn(p, pin(x), pin(v_first), st,

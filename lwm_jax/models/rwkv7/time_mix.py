@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.layers.norms import GroupNorm, group_norm, group_norm_fused
 from lwm_jax.layers.shift import token_shift_mixes
@@ -139,10 +140,10 @@ def _normalize_heads_bwd(eps, res, dy):
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
-def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype):
+def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype, platform):
     """`group_norm(x, ...)` with the backward `impl` asks for (see `time_mix_forward`)."""
     if kernel_chosen("ln_x_impl", impl, one_device=wkv_op is None,
-                     on_gpu=jax.default_backend() == "gpu",
+                     on_gpu=platform == "gpu",
                      fits=kernel_applies(x.shape, n_groups),
                      kernel="the Pallas GroupNorm backward",
                      needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
@@ -160,7 +161,8 @@ def _lora(policy, x_BTC, down, up):
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
                      segment_ids_BT=None, probe=None, wkv_op=None,
-                     ln_x_impl: str = "xla") -> tuple[Any, Any, Any]:
+                     ln_x_impl: str = "xla", platform: str | None = None
+                     ) -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
     Args:
@@ -179,6 +181,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
       ln_x_impl: `Runtime.ln_x_impl`. "auto" takes the Pallas backward on a GPU when `wkv_op`
         is None (one device: the kernel has no sharding rule) and the shape fits it.
+      platform: the platform the program is compiled for ("cpu" | "gpu" | "tpu"; None: JAX's
+        default devices'): picks the WKV kernel family and "auto"'s kernels.
     Returns:
       `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
       dtype, state float32.
@@ -186,6 +190,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     cd, f32 = policy.compute_dtype, jnp.float32
     B, T, C = x_BTC.shape
     N = head_size
+    platform = platform or platform_of()
     H = C // N
     x = x_BTC.astype(cd)
     # per-channel parameters meet 16-bit activations through token_shift_mixes / param_mul /
@@ -223,7 +228,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
                       ("b_in", b_in), ("a", a), ("g", g)):
         tap(name, val)
     with jax.named_scope("wkv"):
-        o, wkv_BHNN = (wkv_op or wkv7)(r4, heads(w), k4, v4, a_in, b_in,
+        op = wkv_op or functools.partial(wkv7, platform=platform)
+        o, wkv_BHNN = op(r4, heads(w), k4, v4, a_in, b_in,
                            initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
                            chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
                            precision=policy.wkv_precision)
@@ -232,7 +238,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     tap("wkv_state", wkv_BHNN)
 
     y = _ln_x(ln_x_impl, wkv_op, o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"],
-              n_groups=H, eps=N * 1e-5, out_dtype=cd)
+              n_groups=H, eps=N * 1e-5, out_dtype=cd, platform=platform)
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)

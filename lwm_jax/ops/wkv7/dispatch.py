@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.ops.wkv7.contract import (PRECISIONS, check_wkv7_inputs, resolve_output_dtype,
                                        xla_precision)
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.recurrent import wkv7_recurrent
 
 IMPLS = ("auto", "pallas", "chunked", "recurrent")
-_ACCELERATORS = ("gpu", "cuda", "rocm", "tpu")
+PLATFORMS = ("cpu", "gpu", "tpu")
 CHUNKED_DEFAULT_CHUNK = 64
 
 
@@ -30,10 +30,11 @@ def _load_pallas():
     return wkv7_pallas, None
 
 
-def _resolve_impl(impl: str) -> str:
+def _resolve_impl(impl: str, platform: str | None = None) -> str:
+    """The implementation `impl` runs as on `platform` (None: JAX's default devices')."""
     if impl == "auto":
-        use_pallas = jax.default_backend() in _ACCELERATORS and _load_pallas()[0] is not None
-        return "pallas" if use_pallas else "chunked"
+        on_accelerator = (platform or platform_of()) in ("gpu", "tpu")
+        return "pallas" if on_accelerator and _load_pallas()[0] is not None else "chunked"
     if impl == "pallas" and _load_pallas()[0] is None:
         raise RuntimeError("wkv7: impl='pallas' needs lwm_jax.ops.wkv7.pallas.wkv7_pallas, which "
                            f"did not import ({_load_pallas()[1]}); use impl='chunked' or "
@@ -43,10 +44,12 @@ def _resolve_impl(impl: str) -> str:
 
 
 def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, output_dtype,
-              precision=None):
+              precision=None, platform=None):
     """Check shapes, dtypes and options; return the output dtype. One-line errors."""
     if not isinstance(impl, str) or impl not in IMPLS:
         raise ValueError(f"wkv7: impl must be one of {IMPLS}, got {impl!r}")
+    if platform is not None and platform not in PLATFORMS:
+        raise ValueError(f"wkv7: platform must be None or one of {PLATFORMS}, got {platform!r}")
     if precision is not None and precision not in PRECISIONS:
         raise ValueError(f"wkv7: precision must be None or one of {PRECISIONS}, got "
                          f"{precision!r}")
@@ -60,7 +63,7 @@ def _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl, ou
 
 
 def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_ids=None,
-         chunk_size=None, impl="auto", output_dtype=None, precision=None):
+         chunk_size=None, impl="auto", output_dtype=None, precision=None, platform=None):
     """RWKV-7 WKV (generalized delta rule) over a sequence, FLA layout.
 
     Args:
@@ -84,17 +87,20 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
         "default" = one bf16 pass, "high"/"highest"/"tf32x3" = fp32. None = the implementation's own
         default (chunked and TPU: "highest"; GPU: "highest" for float32 inputs, else TF32).
         "recurrent" has no matmuls: exact fp32 whatever this says.
+      platform: the platform the surrounding program is compiled for ("cpu" | "gpu" | "tpu";
+        the model passes its mesh's, `lwm_jax.hardware.platform_of`); it picks "auto"'s
+        implementation and the Pallas kernel family. None = JAX's default devices.
 
     Returns:
       `o [B, T, H, V]`, or `(o, final_state [B, H, K, V] float32)` when `return_state`.
     """
     out_dtype = _validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, impl,
-                          output_dtype, precision)
+                          output_dtype, precision, platform)
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
     if initial_state is not None:
         initial_state = jnp.asarray(initial_state).astype(jnp.float32)
-    chosen = _resolve_impl(impl)
+    chosen = _resolve_impl(impl, platform)
     if chosen == "recurrent":
         o, state = wkv7_recurrent(r, w, k, v, a, b, initial_state, segment_ids, out_dtype)
     elif chosen == "chunked":
@@ -104,5 +110,5 @@ def wkv7(r, w, k, v, a, b, *, initial_state=None, return_state=False, segment_id
     else:
         wkv7_pallas = _load_pallas()[0]
         o, state = wkv7_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size,
-                               out_dtype, precision=precision)
+                               out_dtype, precision=precision, platform=platform)
     return (o, state) if return_state else o

@@ -7,7 +7,8 @@ FLA layout: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, w = log-decay (<= 0)
 `[B, H, K, V]` float32: `S_t = diag(e^{w_t}) S_{t-1} + b_t (a_t^T S_{t-1}) + k_t v_t^T`,
 `o_t = S_t^T r_t`. `initial_state` / `segment_ids` may be None.
 
-Dispatch on `jax.default_backend()`:
+Dispatch on the platform the program is compiled for (`platform`; None: JAX's default
+devices, `lwm_jax.hardware.platform_of`):
   gpu -> Pallas-Triton kernels (`pallas_gpu/`: `op.py`, `launches.py`, `tiles.py`,
          `tiles_bwd_stacked.py`);
   tpu -> `lwm_jax.ops.wkv7.pallas_tpu.op.wkv7_tpu` (Pallas/Mosaic TPU);
@@ -34,8 +35,7 @@ double-buffers M/Q/D/O0 through shared memory. The custom_vjp wiring in `gpu.py`
 """
 from __future__ import annotations
 
-import jax
-
+from lwm_jax.hardware import platform_of
 from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning
 
@@ -43,19 +43,21 @@ __all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu",
            "PRECISIONS"]
 
 
-def _defaults(chunk_size, interpret, on_tpu):
+def _defaults(chunk_size, interpret, platform):
     """`(chunk_size, interpret)` with None filled: chunk 64 on TPU, else 32 (the GPU kernel's
     measured fastest); the interpreter wherever no GPU runs the GPU kernels."""
+    on_tpu = platform == "tpu" and not interpret
     if chunk_size is None:
         chunk_size = 64 if on_tpu else 32
     if interpret is None:
-        interpret = not on_tpu and jax.default_backend() not in ("gpu", "cuda", "rocm")
+        interpret = platform == "cpu"
     return chunk_size, interpret
 
 
 def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=None,
-                output_dtype=None, *, precision=None, interpret=None, tuning=None):
-    """WKV7 with the Pallas kernel of the current backend. Returns `(o, final_state)`.
+                output_dtype=None, *, precision=None, interpret=None, tuning=None,
+                platform=None):
+    """WKV7 with the Pallas kernel of `platform` (None: JAX's default devices'). Returns `(o, final_state)`.
 
     Args: as `wkv7_gpu` (see `gpu.py`); `chunk_size` None picks the backend's default (GPU and
     the CPU interpreter: 32, the GPU kernel's measured fastest; TPU: 64, as before).
@@ -63,9 +65,9 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
     backend's default; on GPU "highest" for float32 inputs, else TF32). `interpret`: None
     picks the interpreter on CPU only. `tuning` applies to the GPU.
     """
-    on_tpu = jax.default_backend() == "tpu" and not interpret
-    chunk_size, interpret = _defaults(chunk_size, interpret, on_tpu)
-    if on_tpu:
+    platform = platform or platform_of()
+    chunk_size, interpret = _defaults(chunk_size, interpret, platform)
+    if platform == "tpu" and not interpret:
         from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu  # imported lazily: Mosaic TPU only
         extra = {} if precision is None else {"precision": precision}
         return wkv7_tpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
@@ -74,23 +76,26 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
                     precision=precision, interpret=interpret, tuning=tuning)
 
 
-def pallas_pair_applies(value_width: int, interpret: bool | None = None) -> bool:
-    """Whether `wkv7_pallas_pair` runs here: the GPU kernels (or their interpreter off TPU)
-    with value width <= 64. On TPU sequence parallelism runs its two passes as two calls."""
+def pallas_pair_applies(value_width: int, interpret: bool | None = None,
+                        platform: str | None = None) -> bool:
+    """Whether `wkv7_pallas_pair` runs on `platform` (None: JAX's default devices'): the GPU
+    kernels (or their interpreter off TPU) with value width <= 64. On TPU sequence parallelism
+    runs its two passes as two calls."""
     from lwm_jax.ops.wkv7.pallas_gpu.op import MAX_V
-    on_tpu = jax.default_backend() == "tpu" and not interpret
+    on_tpu = (platform or platform_of()) == "tpu" and not interpret
     return not on_tpu and value_width <= MAX_V
 
 
 def wkv7_pallas_pair(r, w, k, v, a, b, initial_state, identity_state, segment_ids=None,
                      chunk_size=None, output_dtype=None, *, precision=None, interpret=None,
-                     tuning=None):
+                     tuning=None, platform=None):
     """Sequence parallelism's value and identity passes sharing one set of chunk factors
     (`pallas_gpu/pair.py`): `(o, final_state, q, M_end)`. Only where `pallas_pair_applies`."""
     from lwm_jax.ops.wkv7.pallas_gpu.pair import wkv7_gpu_pair
-    if not pallas_pair_applies(v.shape[-1], interpret):
+    platform = platform or platform_of()
+    if not pallas_pair_applies(v.shape[-1], interpret, platform):
         raise ValueError("wkv7_pallas_pair: needs the GPU kernels (not TPU) and V <= 64")
-    chunk_size, interpret = _defaults(chunk_size, interpret, on_tpu=False)
+    chunk_size, interpret = _defaults(chunk_size, interpret, platform)
     return wkv7_gpu_pair(r, w, k, v, a, b, initial_state, identity_state, segment_ids,
                          chunk_size, output_dtype, precision=precision, interpret=interpret,
                          tuning=tuning)

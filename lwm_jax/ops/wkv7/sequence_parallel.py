@@ -32,12 +32,14 @@ with segment ids, one ppermute of `B_loc` int32 ids (each slice's last id to the
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from lwm_jax.hardware import platform_of
 from lwm_jax.ops.wkv7.contract import check_wkv7_inputs, resolve_output_dtype
 from lwm_jax.ops.wkv7.contract import PRECISIONS, xla_precision
 from lwm_jax.ops.wkv7.dispatch import IMPLS, _resolve_impl, wkv7
@@ -54,11 +56,13 @@ def _shard_map(f, *, mesh, in_specs, out_specs, check_vma):
     return shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=check_vma)
 
 
-def _pallas_pair(value_width: int):
-    """`wkv7_pallas_pair` where it applies (GPU kernels, or their CPU interpreter; V <= 64),
-    else None."""
+def _pallas_pair(value_width: int, platform: str | None):
+    """`wkv7_pallas_pair` bound to `platform` where it applies (GPU kernels, or their CPU
+    interpreter; V <= 64), else None."""
     from lwm_jax.ops.wkv7.pallas import pallas_pair_applies, wkv7_pallas_pair
-    return wkv7_pallas_pair if pallas_pair_applies(value_width) else None
+    if not pallas_pair_applies(value_width, platform=platform):
+        return None
+    return functools.partial(wkv7_pallas_pair, platform=platform)
 
 
 def _axis_size(axis: str) -> int:
@@ -180,14 +184,15 @@ def _check_options(mesh, axis, batch_axes, head_axis, shape_BTHK, impl, chunk_si
 
 def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
                                  segment_ids=None, impl="auto", chunk_size=None,
-                                 output_dtype=None, precision=None, fuse=None):
+                                 output_dtype=None, precision=None, fuse=None, platform=None):
     """Per-device body of `wkv7_sequence_parallel`; call it inside `shard_map` over `axis`.
 
     Every argument is this device's block: r, w, k, a, b `[B_loc, T/n, H_loc, K]`, v
     `[B_loc, T/n, H_loc, V]`, segment_ids int `[B_loc, T/n]` or None (slice d holds global
     positions `[d T/n, (d+1) T/n)` of the global row), initial_state `[B_loc, H_loc, K, V]`
     (the state before global position 0, the same on every device of `axis`) or None.
-    Options as in `wkv7_sequence_parallel` (`output_dtype` None: v's dtype). With the Pallas
+    Options as in `wkv7_sequence_parallel` (`output_dtype` None: v's dtype; `platform`: the
+    mesh's, `lwm_jax.hardware.platform_of`, None: JAX's default devices'). With the Pallas
     kernel the enclosing `shard_map` needs `check_vma=False` (the kernels' outputs carry no
     varying-axis types).
 
@@ -201,12 +206,13 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
     K, V = r.shape[-1], v.shape[-1]
     Bl, _, Hl, _ = r.shape
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
-    pair_op = _pallas_pair(V) if fuse is None and _resolve_impl(impl) == "pallas" else None
+    chosen = _resolve_impl(impl, platform)
+    pair_op = _pallas_pair(V, platform) if fuse is None and chosen == "pallas" else None
     if fuse is None:
-        fuse = _resolve_impl(impl) != "pallas"
+        fuse = chosen != "pallas"
     mm_precision = jax.lax.Precision(xla_precision(precision))
     op_kwargs = dict(impl=impl, chunk_size=chunk_size, precision=precision,
-                     output_dtype=jnp.float32, return_state=True)
+                     output_dtype=jnp.float32, return_state=True, platform=platform)
     if segment_ids is not None:
         segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
     if n == 1:   # one slice: the plain op (the identity pass would only add zero)
@@ -214,7 +220,8 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
               else jnp.asarray(initial_state).astype(jnp.float32))
         return wkv7(r, w, k, v, a, b, initial_state=_vary_like(X0, r, w, k, v, a, b),
                     segment_ids=segment_ids, impl=impl, chunk_size=chunk_size,
-                    precision=precision, output_dtype=out_dtype, return_state=True)
+                    precision=precision, output_dtype=out_dtype, return_state=True,
+                    platform=platform)
 
     # Step 2's start state: the identity, or zeros in rows whose slice starts a new document
     # (such a slice ignores the state before it: Phi = 0 from its first token on).
@@ -265,7 +272,7 @@ def wkv7_sequence_parallel_local(r, w, k, v, a, b, *, axis, initial_state=None,
 def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_state=None,
                            segment_ids=None, impl="auto", chunk_size=None, output_dtype=None,
                            return_state=False, precision=None, batch_axes=None, head_axis=None,
-                           fuse=None):
+                           fuse=None, platform=None):
     """`lwm_jax.ops.wkv7` with the time axis sharded over the mesh axis `axis`.
 
     Same contract and results as `wkv7` (FLA layout, float32 state, segment ids reset the state
@@ -296,6 +303,8 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
         None: fuse unless the chosen implementation is "pallas"; with the Pallas GPU kernels
         (V <= 64) the two passes then share one intra-chunk launch and its saved factors
         (`pallas_gpu/pair.py`); on TPU they are two calls. False: two calls everywhere.
+      platform: the platform the program is compiled for; None = the mesh's devices'
+        (`lwm_jax.hardware.platform_of`), which picks "auto"'s kernel family.
 
     Returns:
       `o [B, T, H, V]` in output_dtype, or `(o, final_state [B, H, K, V] float32)`.
@@ -313,12 +322,13 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
     x_spec = P(bspec, axis, head_axis, None)
     s_spec = P(bspec, head_axis, None, None)
     has_s0, has_seg = initial_state is not None, segment_ids is not None
+    platform = platform or platform_of(mesh)
 
     def body(r, w, k, v, a, b, *rest):
         o, X_n = wkv7_sequence_parallel_local(
             r, w, k, v, a, b, axis=axis, initial_state=rest[0] if has_s0 else None,
             segment_ids=rest[-1] if has_seg else None, impl=impl, chunk_size=chunk_size,
-            output_dtype=out_dtype, precision=precision, fuse=fuse)
+            output_dtype=out_dtype, precision=precision, fuse=fuse, platform=platform)
         return o, X_n[None]
 
     args, in_specs = [r, w, k, v, a, b], [x_spec] * 6
@@ -332,7 +342,7 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
     # The Pallas kernels declare their outputs without varying-axis types, which shard_map's
     # type check (check_vma) rejects; without the check, shard_map's transpose sums the
     # cotangents of inputs replicated over a mesh axis (initial_state over `axis`) itself.
-    check_vma = _resolve_impl(impl) != "pallas"
+    check_vma = _resolve_impl(impl, platform) != "pallas"
     fn = _shard_map(body, mesh=mesh, in_specs=tuple(in_specs), out_specs=out_specs,
                     check_vma=check_vma)
     o, X_n_per_device = fn(*args)   # [n, B, H, K, V]: every device's copy of the final state

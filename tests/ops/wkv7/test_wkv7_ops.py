@@ -222,15 +222,22 @@ def test_impl_dispatch(monkeypatch):
     calls = []
 
     def fake_pallas(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
-                    precision=None):
-        calls.append((initial_state, segment_ids.dtype, chunk_size, output_dtype, precision))
+                    precision=None, platform=None):
+        calls.append((initial_state, segment_ids.dtype, chunk_size, output_dtype, precision,
+                      platform))
         return v * 2, jnp.zeros((1, 1, 8, 8))
 
     monkeypatch.setattr(wkv7_op, "_load_pallas", lambda: (fake_pallas, None))
     o = wkv7(*xs, impl="pallas", chunk_size=32, segment_ids=np.zeros((1, 20), np.int64),
-             precision="high")
+             precision="high", platform="tpu")
     assert np.array_equal(o, xs[3] * 2)
-    assert calls == [(None, jnp.int32, 32, jnp.dtype(jnp.float32), "high")]
+    assert calls == [(None, jnp.int32, 32, jnp.dtype(jnp.float32), "high", "tpu")]
+    # "auto" follows the platform it is told the program is compiled for, not the host's
+    calls.clear()
+    wkv7(*xs, platform="gpu")
+    assert len(calls) == 1 and calls[0][-1] == "gpu"
+    with pytest.raises(ValueError, match=r"wkv7: platform must be None or one of"):
+        wkv7(*xs, platform="cuda")
     with pytest.raises(ValueError, match=r"wkv7: precision must be None or one of"):
         wkv7(*xs, precision="tf32")
 
