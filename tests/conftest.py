@@ -18,7 +18,26 @@ import jax  # noqa: E402  (after the allocator setting above)
 import jax.extend  # noqa: E402
 import pytest  # noqa: E402
 
+from lwm_jax.hardware import skip_absent_tpu  # noqa: E402
+
+# libtpu is installed for the TPU compile tests; on a host with no TPU (CI) JAX would otherwise
+# start the TPU runtime, fail, and print its log on stderr before using the CPU.
+skip_absent_tpu()
+
 ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """The TPU compiles of the run (tests that call `lwm_jax.aot.testing.report`), one line
+    each: generation, what, Mosaic kernels in the program, temporaries, scoped VMEM, seconds."""
+    lines = sorted(value for report in terminalreporter.getreports("passed")
+                   for name, value in getattr(report, "user_properties", ())
+                   if name == "tpu_compile" and report.when == "call")
+    if lines:
+        terminalreporter.write_sep("-", f"TPU compile (XLA:TPU + Mosaic via libtpu, no TPU): "
+                                        f"{len(lines)} programs")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -29,10 +29,12 @@ BLOCK = 8
 
 
 def _block_index(idx, C: int, block: int):
-    """Block number of each index (`idx // block`) as a sum of comparisons."""
+    """Block number of each index (`idx // block`) as a sum of comparisons. Each term is a
+    `where` on integers, not a cast boolean: with a single term (C = 16) Mosaic folds
+    `cast(a) == cast(b)` into an i1 comparison that it then cannot lower."""
     out = jnp.zeros_like(idx)
     for start in range(block, C, block):
-        out = out + (idx >= start).astype(idx.dtype)
+        out = out + jnp.where(idx >= start, 1, 0).astype(idx.dtype)
     return out
 
 
