@@ -56,6 +56,11 @@ def train_main(args: argparse.Namespace) -> int:
     from lwm_jax.train.distributed import initialize_from_env, is_primary
     initialize_from_env()                   # a multi-process launch: before any device use
     _check_run_dirs(cfg)
+    if args.compiled is not None:          # a wrong file is refused before the run dir is used
+        import jax
+
+        from lwm_jax.train.saved_step import check_header, read_header
+        check_header(read_header(args.compiled)[0], args.compiled, cfg, jax.devices())
     from lwm_jax.train.preflight import check_memory_on_devices
     check_memory_on_devices(cfg)
     from lwm_jax.train.batches import check_tokenizer_record
@@ -66,7 +71,8 @@ def train_main(args: argparse.Namespace) -> int:
     from lwm_jax.train.trainer import train
 
     enable_compilation_cache()              # before the first compilation
-    result = train(cfg, progress=not args.no_progress, stop_after=args.stop_after)
+    result = train(cfg, progress=not args.no_progress, stop_after=args.stop_after,
+                   compiled=args.compiled)
     if result.stopped_by == "non-finite":
         print(f"lwm-jax train: error: {one_line(result.diagnosis, 2000)}", file=sys.stderr)
         return 3
@@ -256,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "stop_after", None) is not None and args.stop_after < 1:
         parser.error(f"--stop-after: must be >= 1, got {args.stop_after}")
     ignore_closed_event_loop_noise()
+    from lwm_jax.hardware import skip_absent_tpu
+    skip_absent_tpu()           # libtpu on a CPU host: no failed TPU start-up on stderr
     name = f"lwm-jax {args.command}"
     try:
         return args.func(args)

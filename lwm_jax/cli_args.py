@@ -42,6 +42,35 @@ def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--print-config", action="store_true",
                    help="print the resolved config as YAML and exit")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--compiled", default=None, metavar="PATH",
+                   help="load the train step saved by `lwm-jax compile --save` instead of "
+                        "compiling it (refused in one line when made for another config, "
+                        "topology or jax/jaxlib/libtpu; runs the machine code in the file: "
+                        "load only files you made)")
+    return p
+
+
+# ---------------------------------------------------------------------------------- compile
+def add_compile_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Options of `lwm-jax compile` (implemented in `lwm_jax.aot.cli.compile_main`)."""
+    p.add_argument("--config", "-c", default=None, metavar="YAML",
+                   help="run config (default: the built-in tiny config)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted overrides, as for train (e.g. train.batch_size=64 mesh.fsdp=-1)")
+    p.add_argument("--topology", "-t", default=None, metavar="T",
+                   help="TPU slice to compile for, without a TPU: v4-32, v5p-128, v5litepod-16, "
+                        "v6e-64 (Cloud accelerator types) or JAX's v5p:4x4x4 (needs libtpu: "
+                        "the [tpu] extra); default: the devices JAX sees here")
+    p.add_argument("--num-slices", type=int, default=1, metavar="N",
+                   help="N copies of the slice joined over DCN (multi-slice; mesh.data spans "
+                        "them)")
+    p.add_argument("--save", default=None, metavar="PATH",
+                   help="write the compiled train step here, for `lwm-jax train --compiled`")
+    p.add_argument("--no-eval", action="store_true", help="compile the train step only")
+    p.add_argument("--json", action="store_true",
+                   help="print the plan as one JSON object instead of text")
+    p.add_argument("--compilation-cache", default=None, metavar="DIR",
+                   help="JAX's persistent compilation cache directory (default: none)")
     return p
 
 
@@ -187,6 +216,8 @@ COMMANDS = (
      "generate_main", add_generate_args),
     ("eval", "perplexity / bits-per-byte, LAMBADA-style accuracy, lm-eval tasks",
      "lwm_jax.eval.cli", "eval_main", add_eval_args),
+    ("compile", "compile a config's train step for a TPU topology (no TPU needed): per-chip "
+     "memory plan, estimate, --save", "lwm_jax.aot.cli", "compile_main", add_compile_args),
 )
 DESCRIPTIONS = {
     "train": "Train an RWKV-7 model. With no --config: the tiny byte-level model on the built-in "

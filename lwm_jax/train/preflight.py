@@ -79,9 +79,12 @@ def _default_gpu_fraction() -> bool:
 
 
 def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | None,
-                    what: str) -> None:
+                    what: str, step: str = "train step",
+                    sizes: dict[str, int] | None = None) -> None:
     """Raise ValueError (one line, naming the keys to change) when `usage["peak"]` exceeds
-    `_SLACK * have`. No-op when either side is unknown."""
+    `_SLACK * have`. No-op when either side is unknown. `step` names the program ("train
+    step", "eval step"); `sizes`: the resolved mesh, when known (a replicated state then
+    suggests moving devices to `mesh.fsdp`)."""
     if usage is None or not have or usage["peak"] <= _SLACK * have:
         return
     t = cfg.train
@@ -97,8 +100,11 @@ def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | No
             fixes.append("set runtime.remat_policy=full")
     if t.loss_chunk == 0 or t.loss_chunk > 1024:
         fixes.append("set train.loss_chunk=1024")
+    if sizes is not None and sizes.get("data", 1) > 1:
+        fixes.append("move devices from mesh.data to mesh.fsdp (the state split over more "
+                     "of them)")
     raise ValueError(
-        f"train.batch_size={t.batch_size}, train.ctx_len={t.ctx_len}: the compiled train step "
+        f"train.batch_size={t.batch_size}, train.ctx_len={t.ctx_len}: the compiled {step} "
         f"needs ~{_gib(usage['peak'])} per device (XLA's memory analysis: "
         f"{_gib(usage['arguments'])} state and batch, {_gib(usage['temp'])} activations and "
         f"other temporaries), more than the {_gib(have)} of {what}; " + ", or ".join(fixes))

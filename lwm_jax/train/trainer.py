@@ -24,6 +24,7 @@ from flax import nnx
 from tqdm.auto import tqdm
 
 from lwm_jax.diagnostics.nonfinite import describe, tap_stats
+from lwm_jax.hardware import platform_of
 from lwm_jax.loss_scale import loss_scale_for
 from lwm_jax.models.registry import DEFAULT_ARCH, get_arch
 from lwm_jax.precision import parse_policy
@@ -92,13 +93,19 @@ class TrainProgram:
         return _initial_state(self.fresh_state, self.state_sh)
 
 
-def build_program(cfg: RunConfig) -> TrainProgram:
-    """Mesh, abstract model, optimizer, shardings and the jitted steps for `cfg`."""
+def build_program(cfg: RunConfig, devices: list | None = None) -> TrainProgram:
+    """Mesh, abstract model, optimizer, shardings and the jitted steps for `cfg`.
+
+    `devices`: the devices to build the mesh of (default: every device JAX sees). Devices of a
+    TPU topology description (`lwm_jax.aot.topology`) give a program that compiles for that
+    topology on any host; the kernels follow the devices' platform (`lwm_jax.hardware`).
+    """
     t = cfg.train
     policy = parse_policy(cfg.precision)
-    sizes = mesh_shape(cfg.mesh, jax.device_count())
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = mesh_shape(cfg.mesh, len(devices))
     check_against_mesh(cfg, sizes)
-    mesh = make_mesh(sizes)
+    mesh = make_mesh(sizes, devices)
 
     # Model shapes (nothing allocated yet), optimizer, shardings.
     model_cls = get_arch(cfg.arch).model_cls
@@ -129,11 +136,15 @@ def build_program(cfg: RunConfig) -> TrainProgram:
                         abstract_state, state_sh, params_sh, train_step, eval_step)
 
 
-def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None) -> TrainResult:
+def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = None,
+          compiled: str | None = None) -> TrainResult:
     """Train (or resume) the run described by `cfg`.
 
     stop_after: run at most this many optimizer steps in this call, then checkpoint and return
       (the schedule still spans `train.steps`; calling again continues).
+    compiled: path of a train step saved by `lwm-jax compile --save` for this config and these
+      devices, loaded instead of compiling (`lwm_jax.train.saved_step`; a mismatch is a one-line
+      ValueError).
     """
     run_dir = cfg.resolved_run_dir
     try:
@@ -146,11 +157,11 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     # clean stop (the loop sees the flag before step 1).
     lock = RunDirLock(run_dir) if is_primary() else contextlib.nullcontext()
     with lock, StopRequest() as stop:
-        return _train_locked(cfg, run_dir, stop, progress, stop_after)
+        return _train_locked(cfg, run_dir, stop, progress, stop_after, compiled)
 
 
 def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: bool,
-                  stop_after: int | None) -> TrainResult:
+                  stop_after: int | None, compiled: str | None = None) -> TrainResult:
     t = cfg.train
     primary = is_primary()      # process 0 writes the run's records; every process computes
     say = tqdm.write if primary else (lambda _msg: None)
@@ -175,9 +186,15 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     # Compile the step and refuse one that cannot fit before anything is allocated: initialising
     # a multi-billion-parameter state takes minutes on a GPU (67 s at 1.5B on an H100).
     tokens_shape = batches.global_batch_shape(t.batch_size, t.ctx_len + 1, t.grad_accum)
-    compiled_step = compile_step(
-        cfg, prog.train_step, abstract_with_shardings(abstract_state, state_sh),
-        jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=step_tokens_sh))  # samplers: int32
+    step_args = (abstract_with_shardings(abstract_state, state_sh),
+                 jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=step_tokens_sh))
+    if compiled is not None:            # compiled ahead of time (`lwm-jax compile --save`)
+        from lwm_jax.train.saved_step import load_compiled
+        compiled_step = load_compiled(compiled, prog.train_step.lower(*step_args),
+                                      cfg, list(mesh.devices.flat))
+        say(f"lwm-jax train: loaded the compiled train step from {compiled}")
+    else:
+        compiled_step = compile_step(cfg, prog.train_step, *step_args)   # samplers: int32
 
     # Restore the newest complete checkpoint, or initialise.
     if latest is None:
@@ -338,7 +355,7 @@ def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
 
 
 def _initial_state(fresh_state, state_sh) -> TrainState:
-    """Run `fresh_state` and place the result on the mesh.
+    """Run `fresh_state` and place the result on the mesh (`state_sh`'s).
 
     On GPU/TPU: one `jax.jit` with `out_shardings`, so every array is created directly in its
     shards, never whole on one device. On CPU the model is built op by op instead and then
@@ -346,6 +363,6 @@ def _initial_state(fresh_state, state_sh) -> TrainState:
     once (one per device on a multi-device CPU mesh), and jaxlib 0.10.2's CPU LAPACK kernels then
     deadlock the host thread pool; built op by op, `layers.init.orthogonal` waits for each QR.
     """
-    if jax.default_backend() == "cpu":
+    if platform_of(jax.tree.leaves(state_sh)[0].mesh) == "cpu":
         return jax.device_put(fresh_state(), state_sh)
     return jax.jit(fresh_state, out_shardings=state_sh)()
