@@ -6,9 +6,11 @@ stderr, exit status 2, and print no command. babysit's decisions and its recover
 against a scripted fake gcloud. worker.sh (what runs on the TPU VMs) is run here with a
 temporary HOME, and checked by shellcheck when it is installed. The TPU configs load with
 lwm_jax's own loader and their meshes fill their slices. `checkpoint_location` keeps gs:// URLs.
+`launch --compiled` is checked against hand-written compiled-step files (nothing is compiled).
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import shlex
@@ -130,6 +132,98 @@ def test_launch_copies_the_config_and_starts_detached_everywhere(capsys):
                "--job", "try2")
     assert shlex.split(ssh_command(cmds[2]))[3:6] == ["lwm_jobs/try2", "lwm_venv/bin/lwm-jax",
                                                       "train"]
+
+
+def compiled_step(path, overrides=(GS,), topology="v4-32", payload=b"stand-in executable",
+                  **target) -> str:
+    """Write a compiled-step file by hand, in lwm_jax.train.saved_step's format (MAGIC line, JSON
+    header line, payload) for V4_CONFIG + `overrides` on `topology`; `target` overrides the
+    header's target fields. The payload is not an executable: launch never loads it."""
+    from lwm_jax.train.saved_step import MAGIC, Header, step_config
+    from lwm_jax.train.config import load_config
+
+    cfg = load_config(V4_CONFIG, [*overrides, "data.path=null", "data.val_path=null"])
+    header = Header(step_config(cfg), {"platform": "tpu", "device_kind": "TPU v4", "devices": 16,
+                                       "slices": 1, **target}, topology,
+                    {"jax": "0.0", "jaxlib": "0.0", "libtpu": "0.0"}, "0" * 64,
+                    hashlib.sha256(payload).hexdigest())
+    path.write_bytes(MAGIC + header.to_json() + payload)
+    return str(path)
+
+
+def test_launch_copies_a_compiled_step_beside_the_config(capsys, tmp_path):
+    step = compiled_step(tmp_path / "step-1.bin")
+    job = "lwm_jobs/v4-32-rwkv7-1.5b"
+    cmds = dry(capsys, "launch", "lwm-a", "--config", V4_CONFIG, "--accelerator-type", "v4-32",
+               "--set", GS, "--no-libtpu-flags", "--compiled", step)
+    assert cmds[2] == ["gcloud", "compute", "tpus", "tpu-vm", "scp", step,
+                       f"lwm-a:{job}/step-1.bin", *WHERE, "--worker=all",
+                       "--strict-host-key-checking=no"]
+    assert shlex.split(ssh_command(cmds[3]))[5:] == [
+        "train", "--config", f"{job}/v4-32-rwkv7-1.5b.yaml", "--compiled", f"{job}/step-1.bin",
+        GS]
+    assert len(cmds) == 4
+    # babysit shares the option: each of its launches copies the step too
+    cmds = dry(capsys, "babysit", "lwm-a", "--accelerator-type", "v4-32", "--config", V4_CONFIG,
+               "--set", GS, "--compiled", step)
+    assert [c[5] for c in cmds if c[4:5] == ["scp"] and c[5] == step] == [step, step]
+    # without --accelerator-type the header's own topology is only checked for a TPU target
+    cmds = dry(capsys, "launch", "lwm-a", "--config", V4_CONFIG, "--set", GS, "--compiled", step)
+    assert "--compiled" in shlex.split(ssh_command(cmds[3]))
+
+
+def _compile_again(step, overrides=(GS,), topology="v4-32"):
+    return shlex.join(["lwm-jax", "compile", "--config", V4_CONFIG, *overrides, "--topology",
+                       topology, "--save", step])
+
+
+def _foreign_file(path) -> str:
+    path.write_text("step: 1\n")
+    return str(path)
+
+
+def _damaged_step(path) -> str:
+    compiled_step(path)
+    path.write_bytes(path.read_bytes()[:-1])        # the payload no longer fits its checksum
+    return str(path)
+
+
+BAD_COMPILED = {   # case -> (makes the file, extra launch args, expected message parts)
+    "missing": (None, [], lambda f: [f"--compiled: {f} not found; write it with "
+                                     f"`{_compile_again(f)}`"]),
+    "foreign file": (_foreign_file, [],
+                     lambda f: [f"--compiled: {f} is not a compiled step written by `lwm-jax "
+                                f"compile --save`", _compile_again(f)]),
+    "damaged": (_damaged_step, [], lambda f: [f"--compiled: {f} is damaged"]),
+    "other chip count": (lambda p: compiled_step(p, topology="v4-128", devices=64), [],
+                         lambda f: [f"--compiled: {f} was compiled for v4-128 (devices 64) but "
+                                    f"v4-32 has devices 16; run `{_compile_again(f)}` again"]),
+    "other generation": (lambda p: compiled_step(p, topology="v5p-32", device_kind="TPU v5"),
+                         [], lambda f: ["(generation 'v5p') but v4-32 has generation 'v4'"]),
+    "two slices": (lambda p: compiled_step(p, devices=16, slices=2), [],
+                   lambda f: ["(slices 2) but v4-32 has slices 1"]),
+    "not tpu": (lambda p: compiled_step(p, topology="cpu", platform="cpu"), [],
+                lambda f: ["(platform 'cpu') but Cloud TPU has platform 'tpu'"]),
+    "other config": (lambda p: compiled_step(p), ["--set", "train.lr=3e-4"],
+                     lambda f: [f"--compiled: {f} was compiled for another config (train.lr=",
+                                " here); compile it again with this config: `"
+                                + _compile_again(f, (GS, "train.lr=3e-4")) + "`"]),
+    "config's name": (lambda p: compiled_step(p.parent / "v4-32-rwkv7-1.5b.yaml"), [],
+                      lambda f: ["has the config's file name and both go to the job directory"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COMPILED))
+def test_bad_compiled_step_is_one_line(capsys, tmp_path, case):
+    make, extra, message = BAD_COMPILED[case]
+    step = make(tmp_path / "step.bin") if make else str(tmp_path / "step.bin")
+    assert main(["launch", "lwm-a", "--config", V4_CONFIG, "--accelerator-type", "v4-32",
+                 "--set", GS, *extra, "--compiled", step, "--dry-run"], environ=ENV) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert err.startswith("python -m tpu_scripts launch: error: --compiled: ")
+    for part in message(step):
+        assert part in err, err
 
 
 def test_status_logs_stop_delete(capsys):
@@ -536,7 +630,7 @@ def test_setup_and_launch_commands_work_in_a_shell(tmp_path):
     shell(remote.prepare_job_command("j1", "runs/my run"))
     assert (home / "lwm_jobs/j1/run_dir").read_text() == "runs/my run\n"
     argv = remote.train_argv("lwm_jobs/j1/c.yaml", ["name=it's mine", "train.lr=3e-4"],
-                             {"LIBTPU_INIT_ARGS": "--a=1 --b=true"})
+                             {"LIBTPU_INIT_ARGS": "--a=1 --b=true"}, "lwm_jobs/j1/it's.bin")
     assert shell(remote.start_command("j1", argv)).startswith("lwm-job ")
     deadline = time.monotonic() + 20
     while "exited" not in (line := shell(remote.status_command("j1"))):
@@ -544,5 +638,6 @@ def test_setup_and_launch_commands_work_in_a_shell(tmp_path):
         time.sleep(0.1)
     assert line.split()[2:] == ["exited", "0"]
     text = (home / "lwm_jobs/j1/train.log").read_text()
-    assert "<train><--config><lwm_jobs/j1/c.yaml><name=it's mine><train.lr=3e-4>" in text
+    assert ("<train><--config><lwm_jobs/j1/c.yaml><--compiled><lwm_jobs/j1/it's.bin>"
+            "<name=it's mine><train.lr=3e-4>") in text
     assert "flags<--a=1 --b=true>" in text

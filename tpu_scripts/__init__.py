@@ -3,7 +3,8 @@
     python -m tpu_scripts create  TPU --accelerator-type v4-32 [--spot] [--queued]
     python -m tpu_scripts setup   TPU [--data gs://BUCKET/data/train]
     python -m tpu_scripts launch  TPU --config configs/tpu/v4-32-rwkv7-1.5b.yaml \
-                                      --set checkpoint.dir=gs://BUCKET/runs/rwkv7-1.5b
+                                      --set checkpoint.dir=gs://BUCKET/runs/rwkv7-1.5b \
+                                      [--accelerator-type v4-32 --compiled step.bin]
     python -m tpu_scripts status  TPU [--job JOB]
     python -m tpu_scripts logs    TPU --job JOB [--worker all] [--metrics]
     python -m tpu_scripts stop    TPU --job JOB

@@ -21,7 +21,8 @@ worker for the job's state (`worker.sh status`), and `decide`s:
 recreate = delete (when it still exists) + create; the next polls see it come up and then set
 it up and launch. restart = stop everywhere (SIGTERM, then SIGKILL after the grace period) +
 launch. Every launch counts against `max_launches`. `lwm-jax train` resumes from the newest complete checkpoint in `checkpoint.dir`, which
-must be a gs:// URL (checked before the first poll).
+must be a gs:// URL (checked before the first poll). With `--compiled`, every launch copies the
+compiled step too (a recreated TPU starts with empty disks); it is checked before the first poll.
 """
 from __future__ import annotations
 

@@ -12,11 +12,18 @@ and refuses, each with one line:
   cannot split (`mesh_shape`, `check_against_mesh`), when the accelerator type is known;
 - a local checkpoint directory on a multi-host slice (each host would write its own shards on
   its own disk: no host holds a whole checkpoint), or under `babysit` (a recreated TPU starts
-  with empty disks, so only a `gs://` checkpoint survives a preemption).
+  with empty disks, so only a `gs://` checkpoint survives a preemption);
+- with `--compiled PATH` (`check_compiled`): a PATH that is missing or not a compiled step
+  (`lwm_jax.train.saved_step.read_header`), one compiled for another platform than TPU or, when the
+  accelerator type is known, for another generation, chip count or slice count, or for another
+  config than this launch's (`step_config`, the rule `lwm-jax train --compiled` applies). Each
+  message ends with the `lwm-jax compile ... --save PATH` command that makes a fitting file.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import shlex
 from typing import Sequence
 
 from tpu_scripts.slices import Slice
@@ -32,8 +39,9 @@ class RunInfo:
 
 
 def check_launch(config_path: str, overrides: Sequence[str], slice_: Slice | None, *,
-                 survive_preemption: bool = False) -> RunInfo:
-    """Validate `config_path` + `overrides` for a launch on `slice_` (None: unknown slice)."""
+                 survive_preemption: bool = False, compiled: str | None = None) -> RunInfo:
+    """Validate `config_path` + `overrides` (and the compiled step `compiled`, if any) for a
+    launch on `slice_` (None: unknown slice)."""
     from lwm_jax.train.config import check_against_mesh, load_config, mesh_shape
 
     cfg = load_config(config_path, [*overrides, "data.path=null", "data.val_path=null"])
@@ -58,4 +66,63 @@ def check_launch(config_path: str, overrides: Sequence[str], slice_: Slice | Non
         raise ValueError(f"checkpoint.dir: {ckpt!r:.100} is local, but babysit recreates a "
                          "preempted TPU with empty disks, so training could never resume; set "
                          "checkpoint.dir=gs://BUCKET/PATH")
+    if compiled is not None:
+        check_compiled(compiled, cfg, slice_, config_path, overrides)
     return RunInfo(cfg.name, cfg.resolved_run_dir, ckpt)
+
+
+def check_compiled(path: str, cfg, slice_: Slice | None, config_path: str,
+                   overrides: Sequence[str]) -> None:
+    """Refuse (one line) a compiled step that `lwm-jax train --compiled` on `slice_` would
+    refuse for its file, target or config (`cfg`: the launch's loaded config). The jax / jaxlib
+    / libtpu versions are the workers' and are checked there."""
+    from lwm_jax.train.saved_step import config_mismatch, read_header
+
+    topology = slice_.accelerator_type if slice_ is not None else "TYPE"
+    make = compile_command(config_path, overrides, topology, path)
+    if not os.path.isfile(path):
+        raise ValueError(f"--compiled: {path} not found; write it with `{make}`")
+    try:
+        header, _ = read_header(path)
+    except ValueError as err:
+        raise ValueError(f"{err}: `{make}`") from None
+    if slice_ is None and header.target.get("platform") == "tpu":
+        make = compile_command(config_path, overrides, header.topology, path)
+    mismatch = _target_mismatch(header, slice_)
+    if mismatch is not None:
+        key, have, want, what = mismatch
+        raise ValueError(f"--compiled: {path} was compiled for {header.topology} ({key} "
+                         f"{have!r}) but {what} has {key} {want!r}; run `{make}` again")
+    mismatch = config_mismatch(header, path, cfg)
+    if mismatch is not None:
+        raise ValueError(f"{mismatch}: `{make}`")
+
+
+def _target_mismatch(header, slice_: Slice | None) -> tuple[str, object, object, str] | None:
+    """The first (key, the header's value, the launch's, whose) that differ: the platform, and
+    with a known slice its generation, chip count and slice count (1: launch is one slice)."""
+    checks = [("platform", header.target.get("platform"), "tpu", "Cloud TPU")]
+    if slice_ is not None:
+        name = slice_.accelerator_type
+        generation = _header_generation(header)
+        if generation is not None:
+            checks.append(("generation", generation, slice_.generation, name))
+        checks += [("devices", header.target.get("devices"), slice_.chips, name),
+                   ("slices", header.target.get("slices"), 1, name)]
+    return next((c for c in checks if c[1] != c[2]), None)
+
+
+def _header_generation(header) -> str | None:
+    """The Cloud TPU generation of the header's topology name (None when it names none)."""
+    from lwm_jax.aot.topology import parse_topology
+    try:
+        return parse_topology(header.topology).generation
+    except ValueError:
+        return None
+
+
+def compile_command(config_path: str, overrides: Sequence[str], topology: str,
+                    path: str) -> str:
+    """The `lwm-jax compile` command line (shell-quoted) that writes a fitting `path`."""
+    return shlex.join(["lwm-jax", "compile", "--config", config_path, *overrides,
+                       "--topology", topology, "--save", path])

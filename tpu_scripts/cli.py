@@ -3,7 +3,9 @@
 Every command takes the TPU's name, `--project` (default: $CLOUDSDK_CORE_PROJECT), `--zone`
 (default: $CLOUDSDK_COMPUTE_ZONE), `--queued` (the TPU is the node of a queued resource of the
 same name) and `--dry-run` (print the commands, shell-quoted, and run nothing). Bad input is
-one line on stderr and exit status 2; a failed gcloud call exit status 1.
+one line on stderr and exit status 2; a failed gcloud call exit status 1. `launch` and
+`babysit` share their options (`_add_launch`), `--compiled PATH` included: a train step saved
+by `lwm-jax compile --save`, checked (checks.py) before anything runs, even in a dry run.
 """
 from __future__ import annotations
 
@@ -73,8 +75,8 @@ def build_parser(environ: Mapping[str, str] = os.environ) -> Parser:
     launch = command("launch", "start lwm-jax train on every worker, detached")
     _add_launch(launch)
     launch.add_argument("--accelerator-type", metavar="TYPE",
-                        help="the slice's type (e.g. v4-32): checks the config's mesh and "
-                             "checkpoint.dir against it before launching")
+                        help="the slice's type (e.g. v4-32): checks the config's mesh, "
+                             "checkpoint.dir and --compiled step against it before launching")
     status = command("status", "describe the TPU; with --job, the job's state per worker")
     status.add_argument("--job", help="job name (default: none, TPU only)")
     logs = command("logs", "print the end of the job's log (or metrics) per worker")
@@ -133,6 +135,10 @@ def _add_launch(p: Parser) -> None:
     p.add_argument("--no-libtpu-flags", action="store_true", help="set no LIBTPU_INIT_ARGS")
     p.add_argument("--env", action="append", default=[], metavar="NAME=VALUE",
                    help="an environment variable for lwm-jax train on every worker")
+    p.add_argument("--compiled", metavar="PATH",
+                   help="a train step saved by `lwm-jax compile --topology TYPE --save PATH`: "
+                        "checked against the config (and --accelerator-type) first, copied "
+                        "beside the config and loaded by lwm-jax train instead of compiling")
 
 
 # ---------------------------------------------------------------------------- from arguments
@@ -175,8 +181,12 @@ def _launch_plan(args: argparse.Namespace) -> commands.LaunchPlan:
     for item in args.overrides:
         if "=" not in item:
             raise ValueError(f"--set: {item!r:.60} is not KEY=VALUE (e.g. train.lr=3e-4)")
+    if args.compiled is not None and (os.path.basename(args.compiled)
+                                      == os.path.basename(args.config)):
+        raise ValueError(f"--compiled: {args.compiled!r:.100} has the config's file name and "
+                         "both go to the job directory; rename one of them")
     return commands.LaunchPlan(args.config, _job(args), tuple(args.overrides),
-                               tuple(env.items()))
+                               tuple(env.items()), args.compiled)
 
 
 def dispatch(args: argparse.Namespace, r: Runner) -> int:
@@ -189,7 +199,7 @@ def dispatch(args: argparse.Namespace, r: Runner) -> int:
     elif c == "launch":
         plan = _launch_plan(args)
         s = parse_accelerator_type(args.accelerator_type) if args.accelerator_type else None
-        info = check_launch(plan.config, plan.overrides, s)
+        info = check_launch(plan.config, plan.overrides, s, compiled=plan.compiled)
         commands.launch(r, t, plan, info.run_dir)
     elif c == "status":
         commands.status(r, t, _job(args) if args.job else None)
@@ -206,7 +216,7 @@ def dispatch(args: argparse.Namespace, r: Runner) -> int:
         create, setup, launch = _create_plan(args), _setup_plan(args), _launch_plan(args)
         commands.check_create(t, create)
         info = check_launch(launch.config, launch.overrides, create.slice,
-                            survive_preemption=True)
+                            survive_preemption=True, compiled=launch.compiled)
         plan = babysit.BabysitPlan(create, setup, launch, info.run_dir, args.interval,
                                    args.max_launches, args.stall_minutes * 60, args.grace)
         return babysit.babysit(r, t, plan)

@@ -41,12 +41,15 @@ class SetupPlan:
 
 @dataclasses.dataclass(frozen=True)
 class LaunchPlan:
-    """What to run: config file, overrides, job name, environment (LIBTPU_INIT_ARGS included)."""
+    """What to run: config file, overrides, job name, environment (LIBTPU_INIT_ARGS included)
+    and, optionally, a compiled train step (`lwm-jax compile --save`) to load instead of
+    compiling on the slice."""
 
     config: str
     job: str
     overrides: tuple[str, ...] = ()
     env: tuple[tuple[str, str], ...] = ()
+    compiled: str | None = None
 
 
 def check_create(t: Target, plan: CreatePlan) -> None:
@@ -91,12 +94,22 @@ def setup(r: Runner, t: Target, plan: SetupPlan) -> None:
 
 
 def launch(r: Runner, t: Target, plan: LaunchPlan, run_dir: str) -> None:
-    """Copy the config to every worker and start `lwm-jax train` there, detached."""
-    remote_config = f"{remote.job_dir(plan.job)}/{os.path.basename(plan.config)}"
+    """Copy the config (and the compiled step, if any) into the job directory of every worker
+    and start `lwm-jax train` there, detached."""
+    remote_config = _beside_config(plan, plan.config)
     r.run(gcloud.ssh(t, remote.prepare_job_command(plan.job, run_dir)))
     r.run(gcloud.scp_to(t, plan.config, remote_config))
-    argv = remote.train_argv(remote_config, plan.overrides, dict(plan.env))
+    remote_compiled = None
+    if plan.compiled is not None:
+        remote_compiled = _beside_config(plan, plan.compiled)
+        r.run(gcloud.scp_to(t, plan.compiled, remote_compiled))
+    argv = remote.train_argv(remote_config, plan.overrides, dict(plan.env), remote_compiled)
     r.run(gcloud.ssh(t, remote.start_command(plan.job, argv)))
+
+
+def _beside_config(plan: LaunchPlan, local: str) -> str:
+    """Where the local file `local` goes on the workers: `<job dir>/<its base name>`."""
+    return f"{remote.job_dir(plan.job)}/{os.path.basename(local)}"
 
 
 def status(r: Runner, t: Target, job: str | None) -> None:

@@ -51,10 +51,13 @@ def prepare_job_command(job: str, run_dir: str) -> str:
                         f"printf '%s\\n' {shlex.quote(run_dir)} > {shlex.quote(d + '/run_dir')}"])
 
 
-def train_argv(config_remote: str, overrides: Sequence[str], env: dict[str, str]) -> list[str]:
-    """`env K=V ... lwm_venv/bin/lwm-jax train --config CONFIG OVERRIDE...` as a word list."""
+def train_argv(config_remote: str, overrides: Sequence[str], env: dict[str, str],
+               compiled_remote: str | None = None) -> list[str]:
+    """`env K=V ... lwm_venv/bin/lwm-jax train --config CONFIG [--compiled STEP] OVERRIDE...`
+    as a word list (`compiled_remote`: a step saved by `lwm-jax compile --save`)."""
     prefix = ["env", *(f"{k}={v}" for k, v in env.items())] if env else []
-    return [*prefix, LWM_JAX, "train", "--config", config_remote, *overrides]
+    compiled = ["--compiled", compiled_remote] if compiled_remote is not None else []
+    return [*prefix, LWM_JAX, "train", "--config", config_remote, *compiled, *overrides]
 
 
 def start_command(job: str, argv: Sequence[str]) -> str:
