@@ -140,10 +140,10 @@ def _normalize_heads_bwd(eps, res, dy):
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
-def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype, platform):
+def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype, platform=None):
     """`group_norm(x, ...)` with the backward `impl` asks for (see `time_mix_forward`)."""
     if kernel_chosen("ln_x_impl", impl, one_device=wkv_op is None,
-                     on_gpu=platform == "gpu",
+                     on_gpu=(platform or platform_of()) == "gpu",
                      fits=kernel_applies(x.shape, n_groups),
                      kernel="the Pallas GroupNorm backward",
                      needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "

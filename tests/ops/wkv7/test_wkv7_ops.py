@@ -234,7 +234,7 @@ def test_impl_dispatch(monkeypatch):
     assert calls == [(None, jnp.int32, 32, jnp.dtype(jnp.float32), "high", "tpu")]
     # "auto" follows the platform it is told the program is compiled for, not the host's
     calls.clear()
-    wkv7(*xs, platform="gpu")
+    wkv7(*xs, segment_ids=np.zeros((1, 20), np.int32), platform="gpu")
     assert len(calls) == 1 and calls[0][-1] == "gpu"
     with pytest.raises(ValueError, match=r"wkv7: platform must be None or one of"):
         wkv7(*xs, platform="cuda")
