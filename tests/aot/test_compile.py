@@ -17,6 +17,7 @@ from lwm_jax.train.saved_step import check_header, read_header
 from lwm_jax.aot.topology import topology_devices
 from lwm_jax.train.config import load_config
 
+pytestmark = pytest.mark.tpu_compile
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -38,6 +38,7 @@ def test_bad_names_are_one_line_errors(name, match):
     assert "\n" not in str(err.value) and str(err.value).startswith("--topology: ")
 
 
+@pytest.mark.tpu_compile
 @pytest.mark.parametrize("name,kind,chips", [
     ("v4-32", "TPU v4", 16),            # megacore: one device per chip, not per TensorCore
     ("v5p-16", "TPU v5", 8),
@@ -53,6 +54,7 @@ def test_libtpu_describes_one_device_per_chip_on_a_cpu_host(name, kind, chips):
     assert spec is not None and spec.platform == "tpu" and spec.hbm_bytes >= 16 * 2**30
 
 
+@pytest.mark.tpu_compile
 def test_slices_carry_their_index():
     devices = topology_devices("v5litepod-16", num_slices=2)
     assert len(devices) == 32 and sorted({d.slice_index for d in devices}) == [0, 1]

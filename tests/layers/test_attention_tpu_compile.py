@@ -13,6 +13,7 @@ from lwm_jax.aot import testing as tpu
 from lwm_jax.layers.attention import self_attention
 from lwm_jax.train.sharding import make_mesh
 
+pytestmark = pytest.mark.tpu_compile
 B, T, H, K, D = 4, 512, 4, 2, 64
 
 

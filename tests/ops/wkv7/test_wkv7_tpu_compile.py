@@ -17,6 +17,7 @@ from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu
 from lwm_jax.ops.wkv7.sequence_parallel import wkv7_sequence_parallel
 from lwm_jax.train.sharding import make_mesh
 
+pytestmark = pytest.mark.tpu_compile
 GENERATIONS = tuple(tpu.GENERATIONS)
 B, T, H, K = 2, 256, 2, 64
 CHUNKS = tuple(range(16, TPU_MAX_CHUNK + 1, 16))
