@@ -88,6 +88,8 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
     err = err or sys.stderr
     sampling = SamplingParams(args.temperature, args.top_p, args.top_k, args.repetition_penalty,
                               args.presence_penalty, args.frequency_penalty)
+    if not 0 <= args.seed < 2**63:          # jax.random.PRNGKey takes an int64
+        raise ValueError(f"--seed: must be an integer in [0, 2**63), got {args.seed}")
     if args.save_state:
         check_state_target(args.save_state, "--save-state")
     if args.load_state and not os.path.isfile(args.load_state):

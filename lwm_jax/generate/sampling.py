@@ -16,9 +16,13 @@ calls reuses the compiled function. Order of operations (per row, float32 logits
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
+
+
+INT32_MAX = 2**31 - 1      # top_k is an int32 on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,11 +37,17 @@ class SamplingParams:
     frequency_penalty: float = 0.0
 
     def __post_init__(self):
+        finite = lambda x: isinstance(x, (int, float)) and math.isfinite(x)  # noqa: E731
         checks = [
-            ("temperature", self.temperature >= 0, ">= 0 (0 = greedy)"),
-            ("top_p", 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
-            ("top_k", isinstance(self.top_k, int) and self.top_k >= 0, "an integer >= 0 (0 = off)"),
-            ("repetition_penalty", self.repetition_penalty > 0, "> 0 (1 = off)"),
+            ("temperature", finite(self.temperature) and self.temperature >= 0,
+             "a finite number >= 0 (0 = greedy)"),
+            ("top_p", finite(self.top_p) and 0 < self.top_p <= 1, "in (0, 1] (1 = off)"),
+            ("top_k", isinstance(self.top_k, int) and 0 <= self.top_k <= INT32_MAX,
+             f"an integer in [0, {INT32_MAX}] (0 = off)"),
+            ("repetition_penalty", finite(self.repetition_penalty)
+             and self.repetition_penalty > 0, "a finite number > 0 (1 = off)"),
+            ("presence_penalty", finite(self.presence_penalty), "a finite number (0 = off)"),
+            ("frequency_penalty", finite(self.frequency_penalty), "a finite number (0 = off)"),
         ]
         for name, ok, rule in checks:
             if not ok:

@@ -15,6 +15,7 @@ non-finite tensors are one-line `ValueError`s naming the file, field or tensor.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from pathlib import Path
@@ -100,7 +101,10 @@ def _read_tensors(root: Path) -> dict[str, np.ndarray]:
 
 
 # config.json fields read here and the JSON types they must have
-_INT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "head_dim")
+_INT_FIELDS = ("hidden_size", "num_hidden_layers", "vocab_size", "head_dim",
+               "num_attention_heads", "num_key_value_heads", "intermediate_size",
+               "max_position_embeddings")
+_NUMBER_FIELDS = ("rms_norm_eps", "rope_theta", "norm_eps")
 _BOOL_FIELDS = ("tie_word_embeddings", "norm_bias")
 _STR_FIELDS = ("model_type", "hidden_act")
 
@@ -123,6 +127,11 @@ def read_hf_config(file: Path) -> dict:
         value = doc.get(field)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
             wrong(field, "an integer")
+    for field in _NUMBER_FIELDS:
+        value = doc.get(field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value)):
+            wrong(field, "a finite number")
     for field in _BOOL_FIELDS:
         if doc.get(field) is not None and not isinstance(doc[field], bool):
             wrong(field, "true or false")

@@ -27,6 +27,7 @@ checked against them.
 """
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -60,6 +61,23 @@ def is_llama(root: str | os.PathLike) -> bool:
     return doc.get("model_type") == "llama"
 
 
+def _field(doc: dict, key: str, where: str, kind: type, default=None):
+    """`doc[key]` as an int or a finite float (`kind`), `default` when absent or null; a string,
+    a boolean, a fraction where an integer belongs (`num_attention_heads: 4.5`) or a non-finite
+    number is a one-line ValueError naming the field, never a silent truncation."""
+    value = doc.get(key)
+    if value is None:
+        return default
+    integral = isinstance(value, int) or (isinstance(value, float) and value.is_integer())
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value) and (kind is float or integral))
+    if not ok:
+        what = "an integer" if kind is int else "a finite number"
+        raise ValueError(f"{where}: config.json {key}={short(value)} is not {what}; fix the "
+                         "file (Hugging Face writes it as a JSON number)")
+    return kind(value)
+
+
 def _rope_from(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     params = hf.get("rope_parameters")
     if isinstance(params, dict):
@@ -78,14 +96,13 @@ def _rope_from(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     if kind not in _ROPE_TYPES:
         raise ValueError(f"{where}: config.json rope type {short(kind)} is not supported; "
                          "supported: default, linear, llama3")
-    fields = {"kind": _ROPE_TYPES[kind], "factor": float(scaling.get("factor", 1.0))}
+    fields = {"kind": _ROPE_TYPES[kind], "factor": _field(scaling, "factor", where, float, 1.0)}
     if kind == "llama3":
         for name in ("low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
             if name not in scaling:
                 raise ValueError(f"{where}: config.json llama3 rope scaling has no {name!r}")
-            fields[name] = scaling[name]
-        fields["original_max_position_embeddings"] = int(
-            fields["original_max_position_embeddings"])
+            kind_of = int if name == "original_max_position_embeddings" else float
+            fields[name] = _field(scaling, name, where, kind_of)
     return float(theta), RopeScaling(**fields)
 
 
@@ -112,7 +129,7 @@ def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str) -> Lla
         raise ValueError(f"{where}: layer indices {sorted(layers)} are not 0..{L - 1}")
     q_width = need(LAYER.format(0) + "self_attn.q_proj.weight").shape[0]
     kv_width = need(LAYER.format(0) + "self_attn.k_proj.weight").shape[0]
-    H = int(hf.get("num_attention_heads") or 0)
+    H = _field(hf, "num_attention_heads", where, int, 0)
     if H < 1 or q_width % H:
         raise ValueError(f"{where}: config.json num_attention_heads={short(H)} does not divide "
                          f"the query width {q_width}")
@@ -124,12 +141,13 @@ def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str) -> Lla
     cfg = LlamaConfig(
         vocab_size=int(V), n_layer=L, n_embd=int(C), n_head=H, n_kv_head=kv_width // D,
         head_dim=D, ffn_hidden=int(need(LAYER.format(0) + "mlp.gate_proj.weight").shape[0]),
-        rms_eps=float(hf.get("rms_norm_eps", 1e-6)), rope_theta=theta, rope_scaling=scaling,
-        tie_embeddings=tied, max_seq_len=int(hf.get("max_position_embeddings") or 2048))
+        rms_eps=_field(hf, "rms_norm_eps", where, float, 1e-6), rope_theta=theta,
+        rope_scaling=scaling, tie_embeddings=tied,
+        max_seq_len=_field(hf, "max_position_embeddings", where, int, 2048))
     checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": D,
               "num_key_value_heads": cfg.n_kv_head, "intermediate_size": cfg.ffn_hidden}
     for key, value in checks.items():
-        if hf.get(key) is not None and int(hf[key]) != int(value):
+        if _field(hf, key, where, int) not in (None, int(value)):
             raise ValueError(f"{where}: config.json {key}={short(hf[key])} but the weights say "
                              f"{value}")
     return cfg

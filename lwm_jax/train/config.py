@@ -217,6 +217,9 @@ def _fail(key: str, msg: str):
     raise ValueError(f"{key}: {msg}")
 
 
+INT32_MAX = 2**31 - 1
+
+
 def _coerce(key: str, value: Any, tp: Any) -> Any:
     """Check/convert one YAML value against a field annotation (int, float, bool, str, tuples)."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -240,6 +243,9 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
     if tp is int:
         if isinstance(value, bool) or not isinstance(value, int):
             _fail(key, f"expected an integer, got {short(value)}")
+        if abs(value) > INT32_MAX:      # step counters, seeds and sizes become int32 arrays
+            _fail(key, f"{short(value)} is out of range; config integers lie within "
+                       f"+-{INT32_MAX} (int32 on the device)")
         return value
     if tp is float:
         if isinstance(value, str):           # YAML 1.1 reads `6e-4` as a string

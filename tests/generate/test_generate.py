@@ -241,3 +241,24 @@ def test_cli_generate_greedy(tree, tmp_path, gen):
     assert "prompt 5 tokens, 6 new tokens" in err.getvalue() and "tokens/s" in err.getvalue()
     st = load_state(tmp_path / "st.safetensors", CFG)
     assert rel(st.wkv, want.state.wkv) < 1e-6
+
+
+@pytest.mark.parametrize("field,value", [
+    ("presence_penalty", float("nan")), ("frequency_penalty", float("inf")),
+    ("repetition_penalty", float("inf")), ("temperature", float("nan")),
+    ("top_k", 2**40), ("top_p", float("nan")),
+])
+def test_non_finite_or_out_of_range_sampling_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=rf"sampling.{field}: must be") as err:
+        SamplingParams(**{field: value})
+    assert "\n" not in str(err.value)
+
+
+def test_a_seed_beyond_int64_is_one_line(tmp_path):
+    import subprocess
+    import sys
+    run = subprocess.run([sys.executable, "-m", "lwm_jax.cli", "generate", "--checkpoint",
+                          str(tmp_path), "--prompt", "x", "--seed", str(2**64)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 2 and "--seed: must be an integer in [0, 2**63)" in run.stderr
+    assert len(run.stderr.strip().splitlines()) == 1, run.stderr

@@ -105,6 +105,12 @@ def test_older_config_keys_and_convert_round_trip(tmp_path):
     ({"attention_bias": True}, "attention_bias=true; biases are not supported"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'; only silu"),
     ({"num_hidden_layers": 3}, "config.json num_hidden_layers=3 but the weights say 2"),
+    # a fraction or a string where a number belongs: named, never truncated (4.5 -> 4 heads)
+    ({"num_attention_heads": 4.5}, r"field 'num_attention_heads' is .* expected an integer"),
+    ({"rms_norm_eps": "1e-5"}, r"field 'rms_norm_eps' is .* expected a finite number"),
+    ({"max_position_embeddings": "4k"}, r"field 'max_position_embeddings' .* an integer"),
+    ({"rope_parameters": {"rope_type": "linear", "factor": "2", "rope_theta": 1e4}},
+     r"config.json factor='2' is not a finite number"),
 ])
 def test_unsupported_or_inconsistent_checkpoints_are_one_line(tmp_path, change, message):
     _save_hf(tmp_path)

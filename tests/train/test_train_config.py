@@ -127,6 +127,11 @@ def test_run_name_defaults_to_file_stem(tmp_path):
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),
     (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
     (["train.steps=1.5"], "train.steps: expected an integer, got 1.5"),
+    # beyond int32 (the device's step counter and seeds): named, never an OverflowError later
+    (["train.steps=9223372036854775808"], "train.steps: 9223372036854775808 is out of range; "
+                                          "config integers lie within +-2147483647"),
+    (["train.seed=-99999999999999999999"], "train.seed: -99999999999999999999 is out of range"),
+    (["train.ctx_len=4294967296"], "train.ctx_len: 4294967296 is out of range"),
     (["train.l2wrap=yes please"], "train.l2wrap: expected true or false, got 'yes please'"),
     (["train.betas=[0.9]"], "train.betas: expected a list of 2 numbers, got [0.9]"),
     (["train.betas=[0.9, 1.0]"], "train.betas[1]: must be in [0, 1), got 1.0"),
