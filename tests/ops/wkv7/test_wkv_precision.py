@@ -87,18 +87,20 @@ def test_time_mix_hands_the_policy_precision_to_wkv7(monkeypatch):
 def test_tf32x3_is_an_opt_in_wkv_precision_that_each_backend_can_run(wkv7_problem):
     """`w=tf32x3` parses; the GPU kernel lowers it as the 3xTF32 dot algorithm; the XLA
     chunked form and the CPU interpreter (no 3xTF32 on XLA:CPU) run it as HIGHEST, and the
-    result matches `highest` there exactly."""
+    result matches `highest` there exactly. The Pallas case is the program compiled for a CPU
+    (`platform="cpu"`: the interpreter) on any machine; on a GPU the kernel's own lowering is
+    the mapping asserted first."""
     from lwm_jax.ops.wkv7.pallas import PRECISIONS as GPU_PRECISIONS
     assert parse_policy("p=f32,c=f32,w=tf32x3").wkv_precision == "tf32x3"
     assert GPU_PRECISIONS["tf32x3"] == jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     xs = wkv7_problem(3, 1, 48, 2, 16)
     for impl in ("chunked", "pallas"):
         got = _dot_precisions(jax.make_jaxpr(
-            lambda *x: wkv7(*x, impl=impl, chunk_size=16, precision="tf32x3"))(*xs).jaxpr,
-            within="wkv7_")
+            lambda *x: wkv7(*x, impl=impl, chunk_size=16, precision="tf32x3",
+                            platform="cpu"))(*xs).jaxpr, within="wkv7_")
         assert got and all(p == (P.HIGHEST,) * 2 for p, _ in got), (impl, set(got))
-        a = wkv7(*xs, impl=impl, chunk_size=16, precision="tf32x3")
-        b = wkv7(*xs, impl=impl, chunk_size=16, precision="highest")
+        a = wkv7(*xs, impl=impl, chunk_size=16, precision="tf32x3", platform="cpu")
+        b = wkv7(*xs, impl=impl, chunk_size=16, precision="highest", platform="cpu")
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
