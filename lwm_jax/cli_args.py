@@ -194,6 +194,9 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="--tasks: only the first N examples of each task (default: all)")
     p.add_argument("--include-path", default=None,
                    help="--tasks: directory of extra lm-eval task YAML files")
+    p.add_argument("--allow-task-code", action="store_true",
+                   help="--include-path: let its task files run their Python (`!function` "
+                        "tags, .py files beside them); without it such a directory is refused")
     p.add_argument("--prefix", default="eod", choices=("eod", "newline", "none"),
                    help="--tasks: tokens before every context: the end-of-document id, the "
                         "tokens of '\\n' (BlinkDL's RWKV evaluations) or none")

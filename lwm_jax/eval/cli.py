@@ -11,7 +11,10 @@ evaluations run) to stdout, and writes the identical text to `--output FILE` whe
 NaN/inf result is not printed: it is a one-line `NonFiniteError` (exit status 3), since a NaN
 loss means a broken model or precision. `--tasks` needs `lm_eval` (`pip install
 'lwm_jax[eval]'`; `lwm_jax.eval.lm_eval_adapter`); `--ctx-len` is then the scoring window
-and `--batch-size` the rows per call. Arguments: `lwm_jax.cli_args.add_eval_args`.
+and `--batch-size` the rows per call. An `--include-path` directory from which lm-eval would
+run Python (a `.py` file, a `!function` tag) is refused unless `--allow-task-code` is given:
+task files are data until the user says they trust their code. Arguments:
+`lwm_jax.cli_args.add_eval_args`.
 """
 from __future__ import annotations
 
@@ -51,9 +54,14 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     if not args.data and not args.lambada and not tasks:
         raise ValueError("eval: give --data (perplexity), --lambada (last-word accuracy) and/or "
                          "--tasks (lm-eval tasks)")
+    if getattr(args, "allow_task_code", False) and not getattr(args, "include_path", None):
+        raise ValueError("--allow-task-code: only applies to an --include-path directory of "
+                         "task files; give --include-path DIR or drop --allow-task-code")
     if tasks:       # before the model is loaded: a missing lm_eval or a bad task name is cheap
-        from lwm_jax.eval.lm_eval_adapter import check_task_names, task_manager  # ImportError
+        from lwm_jax.eval.lm_eval_adapter import (  # ImportError
+            check_task_code, check_task_names, task_manager)
         _check_task_options(args)
+        check_task_code(args.include_path, getattr(args, "allow_task_code", False))
         manager = task_manager(args.include_path, tasks.split(","))
         names = check_task_names(tasks.split(","), manager)
     if args.output:

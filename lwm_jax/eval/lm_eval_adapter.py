@@ -8,16 +8,21 @@ YAML files) through `lm_eval.simple_evaluate`.
     out["results"]["piqa"]["acc,none"]
 
 This module imports `lm_eval` when it is imported; without it the import is a one-line
-ImportError naming the install command.
+ImportError naming the install command. `find_task_code` tells whether a task directory would
+make lm-eval run Python (the CLI refuses such a directory without `--allow-task-code`).
 """
 from __future__ import annotations
 
 import difflib
 import math
+import os
+from pathlib import Path
 from typing import Sequence
 
+import yaml
+
 from lwm_jax.eval.harness import HarnessModel
-from lwm_jax.user_input import one_line
+from lwm_jax.user_input import one_line, quote_path
 
 INSTALL_HINT = "lm-eval tasks need the lm_eval package: pip install 'lwm_jax[eval]'"
 try:
@@ -60,6 +65,124 @@ class LwmLM(LM):
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         args = [tuple(req.args) for req in requests]
         return self._answer("generate_until", requests, self.harness.generate_until(args))
+
+
+# YAML tags lm-eval turns into Python: `!function module.name` imports `module.py` beside the
+# YAML file (lm_eval/tasks/_yaml_loader.py); `!!python/...` names objects when PyYAML lacks
+# libyaml and lm-eval falls back to yaml.FullLoader.
+_CODE_TAGS = ("!function", "tag:yaml.org,2002:python/")
+# lm-eval's YAML parser (the same choice as lm_eval/tasks/_yaml_loader.py): what it can parse,
+# this parses too, so no file it loads escapes the check.
+_SAFE_BASE = yaml.CSafeLoader if getattr(yaml, "__with_libyaml__", False) else yaml.SafeLoader
+
+
+class _TagKeepingLoader(_SAFE_BASE):  # type: ignore[misc,valid-type]
+    """A safe loader that builds every tagged node as plain data, so a task file's `include:`
+    can be read without running anything the tags name."""
+
+
+def _plain(loader, _suffix, node):
+    if isinstance(node, yaml.MappingNode):
+        return loader.construct_mapping(node)
+    if isinstance(node, yaml.SequenceNode):
+        return loader.construct_sequence(node)
+    return loader.construct_scalar(node)
+
+
+_TagKeepingLoader.add_multi_constructor("", _plain)
+
+
+def _code_tag(root) -> str | None:
+    """The first code-running tag (`_CODE_TAGS`) in a composed YAML node graph, walked without
+    recursion (shared alias nodes once each), or None."""
+    stack, seen = [root], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node.tag.startswith(_CODE_TAGS):
+            return node.tag
+        if isinstance(node, yaml.MappingNode):
+            stack.extend(n for pair in reversed(node.value) for n in reversed(pair))
+        elif isinstance(node, yaml.SequenceNode):
+            stack.extend(reversed(node.value))
+    return None
+
+
+def _read_task_yaml(path: Path) -> tuple[str | None, list[Path]]:
+    """`(code tag or None, files named by its top-level include:)` of one task YAML file.
+    Includes resolve as lm-eval resolves them: relative to the real file's directory.
+
+    Raises ValueError (one line) when the file cannot be read or parsed: an unreadable file
+    cannot be shown to be free of code, so it is refused rather than skipped."""
+    real = path.resolve()
+    try:
+        with open(real, "rb") as fh:
+            loader = _TagKeepingLoader(fh)
+            try:
+                node = loader.get_single_node()
+                tag = _code_tag(node) if node is not None else None
+                data = loader.construct_document(node) if node is not None and tag is None \
+                    else None
+            finally:
+                loader.dispose()
+    except (OSError, yaml.YAMLError, RecursionError, ValueError, TypeError) as err:
+        raise ValueError(f"--include-path: {quote_path(path)} could not be checked for task "
+                         f"code ({one_line(err, 160)}); fix or remove it, or pass "
+                         "--allow-task-code if you trust the directory") from None
+    includes = data.get("include") if isinstance(data, dict) else None
+    names = includes if isinstance(includes, list) else [includes]
+    return tag, [real.parent / n for n in names if isinstance(n, str)]
+
+
+def _yaml_code(path: Path, seen: set) -> str | None:
+    """Why `path` (a task YAML) would run Python, following its includes, or None."""
+    stack = [(path, None)]
+    while stack:
+        file, parent = stack.pop()
+        if file.resolve() in seen or not file.is_file():
+            continue           # a missing include or dangling link: lm-eval fails, nothing runs
+        seen.add(file.resolve())
+        tag, includes = _read_task_yaml(file)
+        if tag is not None:
+            via = f" (included by {quote_path(parent)})" if parent is not None else ""
+            return f"{quote_path(file)}{via} has a {tag} tag, which imports Python"
+        stack.extend((inc, file) for inc in reversed(includes))
+    return None
+
+
+def find_task_code(include_path) -> str | None:
+    """Why lm-eval would run Python from `include_path` (a directory or a list of them), or
+    None: the first file, in sorted path order, that is a `.py` file or a task YAML carrying
+    a `!function` (or `!!python/`) tag, itself or in a file it includes. Directories are
+    searched recursively as lm-eval searches them (`**/*.yaml`). Raises ValueError (one line)
+    for a task YAML that cannot be parsed.
+
+    A guard against task code, not a sandbox: lm-eval renders prompt templates with
+    unsandboxed Jinja, so a task directory must still come from someone you trust."""
+    roots = [include_path] if isinstance(include_path, (str, os.PathLike)) else include_path
+    seen: set = set()
+    for root in map(Path, roots or ()):
+        files = sorted((*root.glob("**/*.py"), *root.glob("**/*.yaml")), key=Path.as_posix)
+        for file in files:
+            why = (f"{quote_path(file)} is Python" if file.suffix == ".py"
+                   else _yaml_code(file, seen))
+            if why:
+                return why
+    return None
+
+
+def check_task_code(include_path, allow: bool = False) -> None:
+    """Refuse, unless `allow` (`--allow-task-code`), an include path from which lm-eval would
+    run Python (`find_task_code`): ValueError, one line naming the file. Call it before
+    `task_manager` reads the directory: loading a task imports its `!function` modules."""
+    if allow or not include_path:
+        return
+    why = find_task_code(include_path)
+    if why:
+        raise ValueError(f"--include-path: {why}; pass --allow-task-code if you trust the "
+                         "directory and its code")
 
 
 def task_manager(include_path=None, names: Sequence[str] | None = None):

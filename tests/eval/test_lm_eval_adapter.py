@@ -16,7 +16,8 @@ from lm_eval.api.instance import Instance  # noqa: E402
 
 from lwm_jax.eval import add_eval_args, eval_main  # noqa: E402
 from lwm_jax.eval.harness import HarnessModel  # noqa: E402
-from lwm_jax.eval.lm_eval_adapter import LwmLM, run_tasks, task_manager  # noqa: E402
+from lwm_jax.eval.lm_eval_adapter import (  # noqa: E402
+    LwmLM, check_task_code, find_task_code, run_tasks, task_manager)
 from lwm_jax.interop.native import save_native  # noqa: E402
 from lwm_jax.interop.params import model_from_params  # noqa: E402
 from lwm_jax.interop.testing import random_params  # noqa: E402
@@ -124,3 +125,75 @@ def test_cli_tasks_end_to_end(harness, tree, task_dir, tmp_path):
     with pytest.raises(ValueError, match="--limit: must be >= 1, got 0"):
         eval_main(add_eval_args(argparse.ArgumentParser()).parse_args(
             ["--checkpoint", str(tmp_path / "ckpt"), "--tasks", "tiny_mc", "--limit", "0"]))
+
+
+def code_task_dir(root, marker):
+    """A task whose `process_docs: !function utils.keep` imports utils.py, which writes
+    `marker` when imported: the file exists afterwards only if lm-eval ran the directory's code."""
+    root.mkdir()
+    (root / "rows.jsonl").write_text(json.dumps(QUESTIONS[0]) + "\n")
+    (root / "evil.yaml").write_text(
+        f"task: evil\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'rows.jsonl'}\ntest_split: test\noutput_type: multiple_choice\n"
+        "process_docs: !function utils.keep\ndoc_to_text: '{{question}}'\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n")
+    (root / "utils.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                   "def keep(docs):\n    return docs\n")
+    return root
+
+
+def test_include_path_with_task_code_is_refused_before_lm_eval_reads_it(tree, tmp_path,
+                                                                         capsys):
+    from lwm_jax.cli import main
+    save_native(CFG, tree, tmp_path / "ckpt")
+    marker = tmp_path / "code_ran"
+    root = code_task_dir(tmp_path / "tasks", marker)
+    status = main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "evil",
+                   "--include-path", str(root), "--limit", "1", "--bootstrap-iters", "0"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1, err
+    assert "evil.yaml" in err[0] and "!function" in err[0] and "--allow-task-code" in err[0]
+    assert not marker.exists()                      # utils.py was never imported
+
+
+def test_task_code_found_in_py_files_includes_and_spelled_tags(tmp_path):
+    plain = "task: t\ndataset_path: json\n"
+    (tmp_path / "py").mkdir()
+    (tmp_path / "py" / "a.yaml").write_text(plain)
+    (tmp_path / "py" / "deep").mkdir()
+    (tmp_path / "py" / "deep" / "helpers.py").write_text("")
+    assert "helpers.py' is Python" in find_task_code(str(tmp_path / "py"))
+    (tmp_path / "outside").mkdir()                  # an include reaching out of the directory
+    (tmp_path / "outside" / "base.yaml").write_text("doc_to_text: !function u.f\n")
+    (tmp_path / "inc").mkdir()
+    (tmp_path / "inc" / "t.yaml").write_text(plain + "include: ../outside/base.yaml\n")
+    why = find_task_code(tmp_path / "inc")
+    assert "base.yaml' (included by" in why and "t.yaml'" in why and "!function" in why
+    (tmp_path / "tag").mkdir()                      # %TAG and %-escapes spell the same tag
+    (tmp_path / "tag" / "a.yaml").write_text("%TAG ! !fun\n---\nx: !ction u.f\n")
+    (tmp_path / "tag" / "b.yaml").write_text("x: !%66unction u.f\n")
+    assert "a.yaml' has a !function tag" in find_task_code(tmp_path / "tag")
+    (tmp_path / "tag" / "a.yaml").unlink()
+    assert "b.yaml' has a !function tag" in find_task_code(tmp_path / "tag")
+    (tmp_path / "bad").mkdir()                      # unparseable: cannot be shown code-free
+    (tmp_path / "bad" / "x.yaml").write_text("a: [1\n")
+    with pytest.raises(ValueError, match=r"x.yaml' could not be checked for task code"):
+        find_task_code(tmp_path / "bad")
+    check_task_code(str(tmp_path / "py"), allow=True)           # --allow-task-code: as before
+    with pytest.raises(ValueError, match=r"helpers.py' is Python; pass --allow-task-code"):
+        check_task_code(str(tmp_path / "py"))
+
+
+def test_plain_task_yaml_needs_no_opt_in(task_dir):
+    assert find_task_code(str(task_dir)) is None
+    check_task_code(str(task_dir))      # test_cli_tasks_end_to_end runs it without the flag
+
+
+def test_allow_task_code_without_include_path_is_one_line(tmp_path, capsys):
+    from lwm_jax.cli import main
+    (tmp_path / "corpus.txt").write_text("some text\n")
+    status = main(["eval", "--checkpoint", str(tmp_path / "nope"), "--data",
+                   str(tmp_path / "corpus.txt"), "--allow-task-code"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert status == 2 and len(err) == 1 and "--allow-task-code" in err[0], err
+    assert "--include-path" in err[0]
