@@ -78,8 +78,8 @@ def add_compile_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 def add_prepare_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of `lwm-jax prepare` (implemented in `lwm_jax.data.prepare.run_prepare`)."""
     p.add_argument("--input", "-i", nargs="+", action="extend", required=True, metavar="PATH",
-                   help=".txt (one document per file) or .jsonl (one per line) files or "
-                        "directories")
+                   help=".txt (one document per file), .jsonl (one per line) or .parquet (one "
+                        "per row) files, or directories of them")
     p.add_argument("--output", "-o", required=True, metavar="PREFIX",
                    help="output prefix; writes PREFIX.bin, PREFIX.idx and "
                         "PREFIX.tokenizer.json (the tokenizer used)")

@@ -1,9 +1,12 @@
 """Tokenise text files into a binidx dataset (`lwm-jax prepare`).
 
-Input formats (by suffix; a directory means every .txt / .jsonl file under it, sorted):
+Input formats (by suffix; a directory means every .txt / .jsonl / .parquet file under it,
+sorted: the files `train` reads from the same directory):
   * `.txt`   the whole file is one document (UTF-8);
   * `.jsonl` one JSON object per line, its `text_key` field (a string) is one document; blank
-             lines are skipped; a malformed line is an error naming `file:line`.
+             lines are skipped; a malformed line is an error naming `file:line`;
+  * `.parquet` one row per document, its string column `text_key` (nulls skipped; a column of
+             another type is an error naming the file and the column).
 Each document is followed by the tokenizer's EOD id (0 for byte / World) when `append_eod`.
 Token dtype: uint16 when vocab_size <= 65536, else int32. Empty documents are skipped.
 
@@ -41,7 +44,7 @@ from lwm_jax.data.binidx import BinIdxWriter, token_dtype_for_vocab
 from lwm_jax.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
 from lwm_jax.user_input import check_output_file, quote_path, write_text
 
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl", ".parquet")     # what `train` reads from a directory too
 DEFAULT_TOKENIZER = "byte"
 RECORD_SUFFIX = ".tokenizer.json"
 RECORD_FORMAT = "lwm_jax-tokenizer-record/1"
@@ -63,7 +66,8 @@ class PrepareResult:
 
 
 def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
-    """Files named directly, plus the sorted .txt/.jsonl files under each named directory."""
+    """Files named directly, plus the sorted .txt/.jsonl/.parquet files under each named
+    directory."""
     files: list[Path] = []
     for item in inputs:
         p = Path(item).expanduser()
@@ -84,10 +88,20 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
 
 
 def iter_documents(path: Path, text_key: str = "text") -> Iterator[tuple[str | None, int]]:
-    """Yields (document text, input bytes consumed) for one .txt or .jsonl file.
+    """Yields (document text, input bytes consumed) for one .txt, .jsonl or .parquet file.
 
-    The text is None for a blank .jsonl line (no document there).
+    The text is None for a blank .jsonl line or a null .parquet value (no document there). A
+    .parquet file's bytes count as consumed after its last row.
     """
+    if path.suffix == ".parquet":
+        from lwm_jax.data.text_sources import parquet_rows
+        last = None
+        for text, _ in parquet_rows(path, text_key, key="--text-key"):
+            if last is not None:
+                yield last, 0
+            last = text
+        yield last, path.stat().st_size
+        return
     if path.suffix == ".txt":
         raw = path.read_bytes()
         try:
@@ -311,7 +325,8 @@ def run_prepare(args: argparse.Namespace) -> int:
         workers = auto_workers(sum(f.stat().st_size for f in expand_inputs(args.input)), tok)
     res = prepare(args.input, args.output, tok, text_key=args.text_key, append_eod=not args.no_eod,
                   progress=not args.quiet, workers=workers)
-    print(f"wrote {res.prefix}.bin/.idx/{RECORD_SUFFIX[1:]}: {res.documents} documents, "
+    print(f"wrote {res.prefix}.bin, {res.prefix}.idx and {res.prefix}{RECORD_SUFFIX}: "
+          f"{res.documents} documents, "
           f"{res.tokens} tokens ({res.dtype}), {res.skipped_empty} empty documents skipped, "
           f"tokenizer {tok.name}, {workers} worker(s)")
     return 0

@@ -127,25 +127,49 @@ def _file_documents(path: Path, text_key: str, offset: int) -> Iterator[tuple[st
                 yield obj[text_key], offset
 
 
-def _parquet_documents(path: Path, text_key: str, row: int) -> Iterator[tuple[str, int]]:
+def parquet_rows(path: Path, text_key: str, row: int = 0,
+                 key: str = "data.text_key") -> Iterator[tuple[str | None, int]]:
+    """`(text or None, row after it)` of every row of a `.parquet` file's string column
+    `text_key` from `row` on (None for a null). A file pyarrow cannot read, a missing column or a
+    column that does not hold strings (ints, bytes, lists) is a one-line ValueError naming the
+    file, the column and `key` (the setting that names the column)."""
     try:
+        import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
         raise ValueError(f"{path}: reading .parquet needs pyarrow (pip install pyarrow)") \
             from None
-    pf = pq.ParquetFile(path)
-    if text_key not in pf.schema_arrow.names:
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowException, OSError) as err:
+        raise ValueError(f"{path}: not a readable Parquet file ({str(err)[:120]}); replace or "
+                         "remove it") from None
+    schema = pf.schema_arrow
+    if text_key not in schema.names:
         raise ValueError(f"{path}: no column {text_key!r} (columns: "
-                         f"{', '.join(pf.schema_arrow.names[:8])}); set data.text_key")
+                         f"{', '.join(schema.names[:8])}); set {key}")
+    kind = schema.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text (strings); choose "
+                         f"the text column with {key}")
     first = 0
     for g in range(pf.num_row_groups):
         n = pf.metadata.row_group(g).num_rows
         if first + n > row:
-            texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            try:
+                texts = pf.read_row_group(g, columns=[text_key]).column(0).to_pylist()
+            except (pa.ArrowException, OSError) as err:
+                raise ValueError(f"{path}: row group {g} is damaged ({str(err)[:120]}); "
+                                 "replace or remove the file") from None
             for i in range(max(row - first, 0), n):
-                if texts[i]:
-                    yield texts[i], first + i + 1
+                yield texts[i], first + i + 1
         first += n
+
+
+def _parquet_documents(path: Path, text_key: str, row: int) -> Iterator[tuple[str, int]]:
+    for text, after in parquet_rows(path, text_key, row):
+        if text:
+            yield text, after
 
 
 class HFDocuments:

@@ -49,6 +49,9 @@ def detect_format(path: str | os.PathLike) -> str:
             return "run"
         raise ValueError(f"checkpoint {str(p)!r}: directory has neither config.yaml + params/ "
                          "(lwm), config.json (hf) nor training-run steps")
+    if os.path.lexists(p):
+        raise ValueError(f"checkpoint {str(p)!r}: not a regular file or directory (a FIFO, "
+                         "device or socket); give the checkpoint file or directory itself")
     raise ValueError(f"checkpoint {str(p)!r}: no such file or directory")
 
 

@@ -42,9 +42,20 @@ def _json_type(value) -> str:
     return _JSON_TYPES.get(type(value), type(value).__name__)
 
 
+def regular_file(file: Path, fix: str) -> Path:
+    """`file` when it is a regular file; else a one-line ValueError. Opening a FIFO, a socket or
+    a device blocks or reads forever, so no checkpoint reader opens anything else."""
+    if not Path(file).is_file():
+        what = "missing" if not os.path.lexists(file) else "not a regular file (a FIFO, device, " \
+            "socket or directory)"
+        raise ValueError(f"{quote_path(file)}: {what}; {fix}")
+    return Path(file)
+
+
 def read_json(file: Path, fix: str):
-    """Parse a JSON file; ValueError (one line naming `file`, ending in `fix`) when it is not
-    UTF-8, not JSON or nested absurdly deep."""
+    """Parse a JSON file; ValueError (one line naming `file`, ending in `fix`) when it is not a
+    regular file, not UTF-8, not JSON or nested absurdly deep."""
+    regular_file(file, fix)
     try:
         return json.loads(file.read_text(encoding="utf-8"))
     except json.JSONDecodeError as err:
@@ -60,6 +71,7 @@ def safetensors_arrays(file: Path, fix: str) -> dict[str, np.ndarray]:
     """Every tensor of one safetensors file as NumPy; ValueError (one line naming the file,
     ending in `fix`) when it is truncated, garbled or unreadable."""
     from safetensors import safe_open
+    regular_file(file, fix)
     try:
         with safe_open(str(file), framework="np") as f:
             return {key: f.get_tensor(key) for key in f.keys()}

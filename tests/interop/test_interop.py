@@ -256,3 +256,23 @@ def test_training_run_params_are_readable(tree, tmp_path):
     cfg, back = read_params(run)
     assert cfg == CFG.resolved()
     assert_trees_equal(tree, back)
+
+
+def test_a_fifo_named_like_weights_is_one_line_not_a_hang(tmp_path):
+    """A FIFO (or any non-regular file) where a weights file belongs blocked `convert` forever
+    in `open`; every checkpoint reader now refuses what is not a regular file."""
+    import json as _json
+    import subprocess
+    import sys
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(_json.dumps({"model_type": "rwkv7"}))
+    os.mkfifo(hf_dir / "model.safetensors")
+    os.mkfifo(tmp_path / "x.pth")
+    for src, match in ((hf_dir, "model.safetensors': not a regular file"),
+                       (tmp_path / "x.pth", "not a regular file or directory")):
+        run = subprocess.run([sys.executable, "-m", "lwm_jax.cli", "convert", "--input",
+                              str(src), "--output", str(tmp_path / "out")],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and match in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
