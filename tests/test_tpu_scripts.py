@@ -238,7 +238,7 @@ def test_status_logs_stop_delete(capsys):
     assert ssh_command(argv) == "sh lwm_jax/tpu_scripts/worker.sh tail lwm_jobs/j1 log 20"
     mkdir, argv = dry(capsys, "logs", "lwm-a", "--job", "j1", "--worker", "all", "--metrics",
                       "--output-dir", "logs/j1")
-    assert mkdir == ["mkdir", "-p", "logs/j1"]
+    assert mkdir == ["mkdir", "-p", "--", "logs/j1"]             # never read as an option
     assert argv[-3:] == ["--strict-host-key-checking=no",
                          "--command=sh lwm_jax/tpu_scripts/worker.sh tail lwm_jobs/j1 metrics 50",
                          "--output-directory=logs/j1"] and "--worker=all" in argv
@@ -319,6 +319,12 @@ BAD = [
     (["logs", "lwm-a", "--job", "j1", "--worker", "all", "--follow"], "--follow: follows one "
      "worker"),
     (["logs", "lwm-a", "--job", "../j1"], "--job: '../j1' is not a job name"),
+    (["logs", "lwm-a", "--job", "j1", "--output-dir=--version"], "--output-dir: '--version' "
+     "starts with '-', which would be read as an option; write it as './--version'"),
+    (["launch", "lwm-a", "--config=-x.yaml"], "--config: '-x.yaml' starts with '-'"),
+    (["launch", "lwm-a", "--config", "cfg/a b;touch x.yaml"], "--config: 'cfg/a b;touch "
+     "x.yaml': its file name 'a b;touch x.yaml' becomes a file name on the workers; copy or "
+     "rename it to letters, digits, '.', '_' and '-' only"),
 ]
 
 
@@ -328,6 +334,24 @@ def test_bad_input_is_one_line(capsys, argv, message):
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1, (out, err)
     assert err.startswith(f"python -m tpu_scripts {argv[0]}: error: ") and message in err, err
+
+
+@pytest.mark.parametrize("command", ["launch", "babysit"])
+@pytest.mark.parametrize("config,compiled", [("a b;touch x.yaml", None), ("$(touch x).yaml", None),
+                                             ("plain.yaml", "step`id`.bin")])
+def test_copied_file_names_reach_no_remote_shell(capsys, tmp_path, command, config, compiled):
+    """The config and --compiled step become `TPU:lwm_jobs/JOB/<name>` in gcloud scp: a name
+    a remote shell could act on is refused before anything runs (babysit: before create)."""
+    shutil.copy(V4_CONFIG, tmp_path / config)
+    extra = ["--compiled", compiled_step(tmp_path / compiled)] if compiled else []
+    slice_ = ["--accelerator-type", "v4-32"] if command == "babysit" else []
+    assert main([command, "lwm-a", *slice_, "--config", str(tmp_path / config), "--job", "j1",
+                 "--set", GS, *extra, "--dry-run"], environ=ENV) == 2
+    out, err = capsys.readouterr()
+    bad = compiled or config
+    assert out == "" and err.count("\n") == 1, (out, err)
+    assert f"--{'compiled' if compiled else 'config'}: " in err and f"{bad!r} becomes a file " \
+        "name on the workers" in err, err
 
 
 @pytest.mark.parametrize("missing,message", [

@@ -6,6 +6,9 @@ same name) and `--dry-run` (print the commands, shell-quoted, and run nothing). 
 one line on stderr and exit status 2; a failed gcloud call exit status 1. `launch` and
 `babysit` share their options (`_add_launch`), `--compiled PATH` included: a train step saved
 by `lwm-jax compile --save`, checked (checks.py) before anything runs, even in a dry run.
+A local path starting with '-' is refused (mkdir or gcloud would read it as an option), and so
+is a config or compiled step whose file name is not plain `[A-Za-z0-9._-]`: it becomes a file
+name in scp's remote path on the workers (`commands.check_remote_name`).
 """
 from __future__ import annotations
 
@@ -167,6 +170,7 @@ def _job(args: argparse.Namespace) -> str:
 
 
 def _launch_plan(args: argparse.Namespace) -> commands.LaunchPlan:
+    commands.check_launch_files(args.config, args.compiled)   # before --job reads the name
     env: dict[str, str] = {}
     if not args.no_libtpu_flags:
         env["LIBTPU_INIT_ARGS"] = libtpu_init_args(read_flags(args.flags_file))

@@ -17,6 +17,9 @@ from tpu_scripts.runner import Runner
 from tpu_scripts.slices import Slice
 
 DEFAULT_PYTHON = "3.12"     # uv fetches it when the VM image's own python3 is older (3.10)
+# A file name that may become part of a remote path (`gcloud ... scp LOCAL TPU:REMOTE`): scp
+# hands the remote path to a shell or an sftp server on the worker, so only plain characters.
+_REMOTE_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +75,39 @@ def check_gcs_prefix(prefix: str, where: str) -> str:
     return prefix
 
 
+def check_local_path(path: str, where: str) -> str:
+    """`path`, handed to a local command (mkdir, gcloud scp): not empty, and not starting
+    with '-', which the command would read as an option (gcloud scp has no `--` to stop
+    option parsing); `./-name` names the same file safely."""
+    if not path:
+        raise ValueError(f"{where}: the path is empty; give a file or directory name")
+    if path.startswith("-"):
+        raise ValueError(f"{where}: {path!r:.100} starts with '-', which would be read as an "
+                         f"option; write it as {'./' + path!r:.100}")
+    return path
+
+
+def check_remote_name(path: str, where: str) -> str:
+    """`path`, a local file copied to the workers as `<job dir>/<its base name>`: that base
+    name goes into a remote path, so it must be plain letters, digits, '.', '_' and '-' (no
+    space, quote, `;` or `$(...)` a remote shell could act on), and not `.` or `..`."""
+    check_local_path(path, where)
+    name = os.path.basename(path)
+    if not _REMOTE_NAME.fullmatch(name) or name in (".", ".."):
+        raise ValueError(f"{where}: {path!r:.100}: its file name {name!r:.60} becomes a file "
+                         "name on the workers; copy or rename it to letters, digits, '.', '_' "
+                         "and '-' only")
+    return path
+
+
+def check_launch_files(config: str, compiled: str | None) -> None:
+    """The files `launch` copies to the workers (`check_remote_name`); called before anything
+    runs, since `babysit` creates and sets up a TPU before its first launch."""
+    check_remote_name(config, "--config")
+    if compiled is not None:
+        check_remote_name(compiled, "--compiled")
+
+
 def create(r: Runner, t: Target, plan: CreatePlan) -> None:
     check_create(t, plan)
     r.run(gcloud.create(t, plan.slice, runtime_version=plan.runtime_version, spot=plan.spot,
@@ -96,6 +132,7 @@ def setup(r: Runner, t: Target, plan: SetupPlan) -> None:
 def launch(r: Runner, t: Target, plan: LaunchPlan, run_dir: str) -> None:
     """Copy the config (and the compiled step, if any) into the job directory of every worker
     and start `lwm-jax train` there, detached."""
+    check_launch_files(plan.config, plan.compiled)
     remote_config = _beside_config(plan, plan.config)
     r.run(gcloud.ssh(t, remote.prepare_job_command(plan.job, run_dir)))
     r.run(gcloud.scp_to(t, plan.config, remote_config))
@@ -120,13 +157,15 @@ def status(r: Runner, t: Target, job: str | None) -> None:
 
 def logs(r: Runner, t: Target, job: str, *, worker: str, lines: int, metrics: bool,
          follow: bool, output_dir: str | None) -> None:
+    if output_dir is not None:
+        check_local_path(output_dir, "--output-dir")
     if follow:
         if not worker.isdigit():
             raise ValueError(f"--follow: follows one worker; give --worker N, not {worker!r:.20}")
         r.run(gcloud.ssh(t, remote.follow_command(job), worker=worker), check=False)
         return
     if output_dir is not None:
-        r.run(["mkdir", "-p", output_dir])
+        r.run(["mkdir", "-p", "--", output_dir])
     command = remote.tail_command(job, "metrics" if metrics else "log", lines)
     r.run(gcloud.ssh(t, command, worker=worker, output_directory=output_dir))
 
