@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from typing import Any, Sequence
 
 import jax
@@ -146,15 +147,28 @@ class MetricsLogger:
 
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from a metrics.jsonl (later records win on resumed runs;
-    config records are skipped)."""
+    config records are skipped; a line that is not a JSON record with an integer `step` is
+    skipped with one warning)."""
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
-    with open(path, encoding="utf-8") as f:
+    damaged = 0
+    with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
-            if line.strip():
+            if not line.strip():
+                continue
+            try:
                 rec = json.loads(line)
-                if "config" not in rec:
-                    (evals if "val_loss" in rec else train)[rec["step"]] = rec
+            except json.JSONDecodeError:
+                rec = None
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                damaged += 1          # a torn line left by a killed writer: skip, say so
+                continue
+            if "config" not in rec:
+                (evals if "val_loss" in rec else train)[rec["step"]] = rec
+    if damaged:
+        warnings.warn(f"{path}: {damaged} damaged line(s) skipped (a run killed while writing "
+                      "leaves a torn line); the other records are read", RuntimeWarning,
+                      stacklevel=2)
     return [train[k] for k in sorted(train)], [evals[k] for k in sorted(evals)]
 
 

@@ -65,8 +65,15 @@ class JsonlTracker:
     name = "jsonl"
 
     def __init__(self, run_dir: str):
+        from lwm_jax.train.run_lock import open_no_follow
         self.path = os.path.join(run_dir, JSONL_NAME)
-        self._file = open(self.path, "a", encoding="utf-8")
+        fd = open_no_follow(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND)
+        # A writer killed mid-line leaves a torn last line: start the next record on a line
+        # of its own, so only that line is damaged (`metrics.read_metrics` skips it).
+        size = os.fstat(fd).st_size
+        if size and os.pread(fd, 1, size - 1) != b"\n":
+            os.write(fd, b"\n")
+        self._file = os.fdopen(fd, "a", encoding="utf-8")
 
     def log_config(self, step: int, config: dict[str, Any]) -> None:
         self._line({"step": step, "config": config})

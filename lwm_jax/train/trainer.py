@@ -34,7 +34,7 @@ from lwm_jax.train.checkpoint import Checkpointer, CheckpointWriteError, abstrac
 from lwm_jax.train.config import RunConfig, check_against_mesh, mesh_shape
 from lwm_jax.train.distributed import is_primary
 from lwm_jax.train.guard import SkipWatch
-from lwm_jax.train.run_lock import RunDirLock
+from lwm_jax.train.run_lock import RunDirLock, open_no_follow, refuse_links
 from lwm_jax.train.metrics import MetricsLogger, plot_loss_curve
 from lwm_jax.train.profiling import PROFILE_DIR, StepWindowProfiler
 from lwm_jax.train.trackers import check_trackers, make_trackers
@@ -155,9 +155,33 @@ def train(cfg: RunConfig, *, progress: bool = True, stop_after: int | None = Non
     # One run per run dir (the lock is process 0's in a multi-process run); SIGTERM/SIGINT
     # handlers from the start, so a preemption during set-up or compilation still ends in a
     # clean stop (the loop sees the flag before step 1).
-    lock = RunDirLock(run_dir) if is_primary() else contextlib.nullcontext()
-    with lock, StopRequest() as stop:
+    with _locks(cfg, run_dir) if is_primary() else contextlib.nullcontext(), \
+            StopRequest() as stop:
+        refuse_links(run_dir)
         return _train_locked(cfg, run_dir, stop, progress, stop_after, compiled)
+
+
+def _locks(cfg: RunConfig, run_dir: str) -> contextlib.ExitStack:
+    """The run dir's lock, and `checkpoint.dir`'s when it is a local directory outside the
+    run dir (two runs with their own run dirs must not share checkpoints)."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(RunDirLock(run_dir))
+    ckpt = cfg.checkpoint_dir
+    inside = os.path.commonpath([os.path.abspath(ckpt), os.path.abspath(run_dir)]) == \
+        os.path.abspath(run_dir) if "://" not in ckpt else True
+    if not inside:
+        try:
+            os.makedirs(ckpt, exist_ok=True)
+        except OSError as err:
+            stack.close()
+            raise ValueError(f"checkpoint.dir: cannot create {ckpt} ({err.strerror}); choose a "
+                             "writable checkpoint.dir") from None
+        try:
+            stack.enter_context(RunDirLock(ckpt, "checkpoint.dir"))
+        except BaseException:
+            stack.close()
+            raise
+    return stack
 
 
 def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: bool,
@@ -177,7 +201,9 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
                    "further, or choose a new run_dir")
         return TrainResult(run_dir, latest, None, None, "complete")
     if primary:
-        with open(os.path.join(run_dir, "config.yaml"), "w", encoding="utf-8") as f:
+        fd = open_no_follow(os.path.join(run_dir, "config.yaml"),
+                            os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(cfg.to_yaml())
     prog = build_program(cfg)
     policy, mesh, sizes = prog.policy, prog.mesh, prog.sizes

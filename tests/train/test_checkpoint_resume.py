@@ -185,3 +185,51 @@ def test_run_dir_is_locked_and_a_finished_run_writes_nothing(tmp_path, data_pref
     assert again.stopped_by == "complete" and again.step == 3 and again.state is None
     assert "already complete (checkpoint at step 3 of 3); nothing to do" in capsys.readouterr().out
     assert {p: os.path.getmtime(run_dir / p) for p in before} == before
+
+
+def test_checkpoint_dir_elsewhere_is_locked_with_the_run(tmp_path, data_prefix):
+    """A second run with its own run dir but the first's `checkpoint.dir` resumed the other
+    run's checkpoints and wrote into them while it ran; the checkpoint dir is now locked too."""
+    from lwm_jax.train.run_lock import RunDirLock
+    shared = tmp_path / "ckpts"
+    cfg = load_config(None, [*SMALL, "train.steps=2", f"data.path={data_prefix}",
+                             f"run_dir={tmp_path / 'b'}", f"checkpoint.dir={shared}"])
+    os.makedirs(shared)
+    with RunDirLock(str(shared), "checkpoint.dir"):      # run a, still training
+        with pytest.raises(ValueError, match=r"checkpoint.dir: .* is in use by pid \d+ on .*"):
+            train(cfg, progress=False)
+    assert not os.path.exists(tmp_path / "b" / "config.yaml")
+    assert train(cfg, progress=False).step == 2          # free again: it runs (and resumes later)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", ".lock", "loss_curve.png"])
+def test_nothing_is_written_through_a_planted_symlink(tmp_path, data_prefix, name):
+    run_dir = tmp_path / "run"
+    os.makedirs(run_dir)
+    target = tmp_path / "victim.txt"
+    target.write_text("precious\n")
+    os.symlink(target, run_dir / name)
+    cfg = load_config(None, [*SMALL, "train.steps=3", f"data.path={data_prefix}",
+                             f"run_dir={run_dir}"])
+    with pytest.raises(ValueError, match=rf"{re.escape(name)} is a symbolic link"):
+        train(cfg, progress=False)
+    assert target.read_text() == "precious\n"
+
+
+def test_a_torn_metrics_line_is_skipped_with_a_warning_and_repaired(tmp_path, data_prefix):
+    """A writer killed mid-line left `{"step": 3, "lo` at the end of metrics.jsonl: every later
+    resume ended in exit 2 with an unnamed JSON error and no loss curve."""
+    run_dir = tmp_path / "run"
+    cfg = load_config(None, [*SMALL, "train.steps=4", f"data.path={data_prefix}",
+                             f"run_dir={run_dir}"])
+    train(cfg, progress=False, stop_after=2)
+    metrics = run_dir / "metrics.jsonl"
+    with open(metrics, "a", encoding="utf-8") as f:
+        f.write('{"step": 3, "lo')                       # the torn last line
+    with pytest.warns(RuntimeWarning, match=r"1 damaged line\(s\) skipped"):
+        result = train(cfg, progress=False)
+    assert result.step == 4 and os.path.isfile(run_dir / "loss_curve.png")
+    lines = metrics.read_text().splitlines()
+    assert '{"step": 3, "lo' in lines                  # kept as it was, on a line of its own
+    steps = [r["step"] for r in read_metrics(str(metrics))[0]]
+    assert steps[-1] == 4
