@@ -218,6 +218,7 @@ def _fail(key: str, msg: str):
 
 
 INT32_MAX = 2**31 - 1
+MAX_LR = 1e30
 
 
 def _coerce(key: str, value: Any, tp: Any) -> Any:
@@ -320,6 +321,14 @@ def _check_values(cfg: RunConfig, data_files: bool = True) -> None:
     for key, v in non_negative.items():
         if v < 0:
             _fail(key, f"must be >= 0, got {v}")
+    if t.lr > MAX_LR:
+        # AdamW moves every weight by about lr per step: beyond ~3e38 one update leaves float32
+        # (1e39 is inf there) and the parameters turn non-finite past the step's guard, which
+        # checks the loss and gradient; up to MAX_LR a too-large rate diverges the ordinary
+        # way: non-finite losses, skipped steps, exit 3 (tests/train/test_nonfinite_guard.py)
+        _fail("train.lr", f"{t.lr:g} is beyond {MAX_LR:g}: one AdamW update would move the "
+                          "weights out of float32's range; use a learning rate below 1 (6e-4 is "
+                          "RWKV-LM's)")
     if t.warmup_steps > t.steps:
         _fail("train.warmup_steps", f"{t.warmup_steps} is larger than train.steps={t.steps}; "
                                     "lower train.warmup_steps or raise train.steps")

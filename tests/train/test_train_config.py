@@ -137,6 +137,7 @@ def test_run_name_defaults_to_file_stem(tmp_path):
     (["train.betas=[0.9, 1.0]"], "train.betas[1]: must be in [0, 1), got 1.0"),
     (["train.ctx_len=0"], "train.ctx_len: must be >= 1, got 0"),
     (["train.lr=0"], "train.lr: must be > 0, got 0.0"),
+    (["train.lr=1e39"], "train.lr: 1e+39 is beyond 1e+30: one AdamW update would move the weights out"),
     (["train.lr=1e-4"], "train.min_lr: 0.0003 is larger than train.lr=0.0001; lower "
                         "train.min_lr too"),
     (["train.batch_size=6", "train.grad_accum=4"],
