@@ -54,6 +54,7 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     if not args.data and not args.lambada and not tasks:
         raise ValueError("eval: give --data (perplexity), --lambada (last-word accuracy) and/or "
                          "--tasks (lm-eval tasks)")
+    _check_counts(args)
     if getattr(args, "allow_task_code", False) and not getattr(args, "include_path", None):
         raise ValueError("--allow-task-code: only applies to an --include-path directory of "
                          "task files; give --include-path DIR or drop --allow-task-code")
@@ -96,13 +97,20 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     return results
 
 
-def _check_task_options(args: argparse.Namespace) -> None:
-    checks = (("--num-fewshot", args.num_fewshot, 0), ("--limit", args.limit, 1),
-              ("--batch-size", args.batch_size, 1), ("--ctx-len", args.ctx_len, 1),
-              ("--bootstrap-iters", args.bootstrap_iters, 0))
-    for flag, value, low in checks:
+def _check_counts(args: argparse.Namespace) -> None:
+    """Every count option at or above its least value (`--max-examples -1` once scored one
+    example), whichever evaluation uses it; one-line ValueError otherwise."""
+    checks = (("--max-examples", "max_examples", 1), ("--max-tokens", "max_tokens", 1),
+              ("--batch-size", "batch_size", 1), ("--ctx-len", "ctx_len", 1),
+              ("--num-fewshot", "num_fewshot", 0), ("--limit", "limit", 1),
+              ("--bootstrap-iters", "bootstrap_iters", 0))
+    for flag, name, low in checks:
+        value = getattr(args, name, None)
         if value is not None and value < low:
             raise ValueError(f"{flag}: must be >= {low}, got {value}")
+
+
+def _check_task_options(args: argparse.Namespace) -> None:
     if args.include_path and not os.path.isdir(args.include_path):
         raise ValueError(f"--include-path: {quote_path(args.include_path)} is not a directory "
                          "of task YAML files")

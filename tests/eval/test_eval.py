@@ -134,3 +134,18 @@ def test_eval_cli_end_to_end(tree, scorer, tmp_path):
     with pytest.raises(ValueError, match="give --data"):
         eval_main(add_eval_args(argparse.ArgumentParser()).parse_args(
             ["--checkpoint", str(tmp_path / "ckpt")]))
+
+
+@pytest.mark.parametrize("flag,value", [("--max-examples", "-1"), ("--max-examples", "0"),
+                                        ("--max-tokens", "0"), ("--batch-size", "0"),
+                                        ("--ctx-len", "-5")])
+def test_count_options_below_their_least_value_are_refused(tmp_path, flag, value):
+    """`--max-examples -1` once scored one example; every count is checked before anything
+    is loaded, for --data and --lambada as for --tasks."""
+    p = argparse.ArgumentParser()
+    add_eval_args(p)
+    (tmp_path / "l.jsonl").write_text('{"text": "a b"}\n')
+    args = p.parse_args(["--checkpoint", str(tmp_path / "none"), "--lambada",
+                         str(tmp_path / "l.jsonl"), flag, value])
+    with pytest.raises(ValueError, match=rf"{flag}: must be >= \d, got {value}"):
+        eval_main(args, out=io.StringIO())
