@@ -157,7 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The `lwm-jax` parser with every subcommand; imports no subcommand implementation."""
     parser = Parser(
         prog="lwm-jax", formatter_class=HelpFormatter,
-        description="RWKV-7 in JAX: train, prepare, convert, export, generate, eval",
+        description="Long-context language models in JAX (RWKV-7, LLaMA-style, hybrids): "
+                    "train, prepare, convert, export, generate, eval, compile",
         epilog="Errors are one line on stderr: exit status 2 bad input, 3 non-finite result,\n"
                "1 internal error (with a crash log). LWM_DEBUG=1 shows tracebacks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

@@ -209,13 +209,14 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 # (name, one-line help, module of the entry point, entry point, add-arguments function)
 COMMANDS = (
     ("train", "train (or resume) a model", "lwm_jax.cli", "train_main", add_train_args),
-    ("prepare", "tokenise .txt/.jsonl files into a binidx dataset", "lwm_jax.data.prepare",
+    ("prepare", "tokenise .txt/.jsonl/.parquet files into a binidx dataset", "lwm_jax.data.prepare",
      "run_prepare", add_prepare_args),
-    ("convert", "import an official .pth or FLA/HF checkpoint as an lwm_jax checkpoint",
+    ("convert", "import an official RWKV-7 .pth, an FLA/HF RWKV-7 or a HF LLaMA checkpoint",
      "lwm_jax.interop.cli", "convert_main", add_convert_args),
     ("export", "export a checkpoint to the official .pth or FLA/HF format",
      "lwm_jax.interop.cli", "export_main", add_export_args),
-    ("generate", "sample text from a checkpoint (RNN-mode decoding)", "lwm_jax.generate.cli",
+    ("generate", "sample text from a checkpoint (RWKV-7: RNN state; LLaMA: KV cache)",
+     "lwm_jax.generate.cli",
      "generate_main", add_generate_args),
     ("eval", "perplexity / bits-per-byte, LAMBADA-style accuracy, lm-eval tasks",
      "lwm_jax.eval.cli", "eval_main", add_eval_args),
@@ -223,6 +224,7 @@ COMMANDS = (
      "memory plan, estimate, --save", "lwm_jax.aot.cli", "compile_main", add_compile_args),
 )
 DESCRIPTIONS = {
-    "train": "Train an RWKV-7 model. With no --config: the tiny byte-level model on the built-in "
-             "corpus. Rerunning the same command resumes from the newest checkpoint.",
+    "train": "Train a model of any family (RWKV-7, LLaMA-style, hybrid: the config's arch). "
+             "With no --config: the tiny byte-level RWKV-7 on the built-in corpus. Rerunning "
+             "the same command resumes from the newest checkpoint.",
 }

@@ -133,14 +133,16 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
 
 def _summary(n_prompt: int, n_new: int, elapsed: float, to_first: float | None,
              reason: str) -> str:
-    """One line: prompt and new token counts, tokens/s over the whole call, and the wait for the
-    first token (it includes compilation; tokens then arrive in blocks of --decode-block)."""
-    rate = n_new / elapsed if elapsed > 0 else 0.0
-    line = (f"[generate] prompt {n_prompt} tokens, {n_new} new tokens in {elapsed:.2f} s: "
-            f"{rate:.1f} tokens/s")
+    """One line: prompt and new token counts, the wait for the first token (prefill and the
+    compilations: seconds on a first call) and the decode rate after it (the tokens after the
+    first over the time after it; compilation is not in it)."""
+    line = f"[generate] prompt {n_prompt} tokens, {n_new} new tokens in {elapsed:.2f} s"
     if to_first is not None:
-        line += f" (first token after {to_first:.2f} s, including compilation)"
-    return line + f"; stopped by {reason}]"
+        line += f": first token after {to_first:.2f} s (prefill + compilation)"
+        decode_s = elapsed - to_first
+        if n_new > 1 and decode_s > 0:
+            line += f", then {(n_new - 1) / decode_s:.1f} tokens/s"
+    return line + f"; stopped by {reason}"
 
 
 def main(argv=None) -> None:

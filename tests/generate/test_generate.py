@@ -262,3 +262,13 @@ def test_a_seed_beyond_int64_is_one_line(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 2 and "--seed: must be an integer in [0, 2**63)" in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+
+
+def test_the_summary_rate_leaves_out_the_first_token_and_its_compilation():
+    """The rate once divided by the whole call, compilation included (12 tokens/s reported
+    where decoding ran at ~400), and the line ended in a stray `]`."""
+    from lwm_jax.generate.cli import _summary
+    line = _summary(5, 101, elapsed=10.25, to_first=10.0, reason="length")
+    assert line == ("[generate] prompt 5 tokens, 101 new tokens in 10.25 s: first token after "
+                    "10.00 s (prefill + compilation), then 400.0 tokens/s; stopped by length")
+    assert _summary(5, 0, 0.5, None, "stop token").endswith("in 0.50 s; stopped by stop token")
