@@ -20,6 +20,7 @@ Record formats (metrics.jsonl: one strict-JSON object per line; non-finite numbe
 from __future__ import annotations
 
 import json
+import sys
 import time
 import warnings
 from typing import Any, Sequence
@@ -29,6 +30,13 @@ import jax.numpy as jnp
 
 from lwm_jax.hardware import peak_flops_per_device
 from lwm_jax.train.trackers import JsonlTracker, Tracker, make_trackers
+
+def _stderr_is_terminal() -> bool:
+    try:
+        return sys.stderr.isatty()
+    except (AttributeError, ValueError):      # replaced or closed stream
+        return False
+
 
 @jax.jit
 def _accumulate(acc, loss, finite):
@@ -73,7 +81,11 @@ class MetricsLogger:
         self.n_params, self.tokens_per_step, self.fp16 = n_params, tokens_per_step, fp16
         self.n_devices = jax.device_count()
         self.peak = peak_flops_per_device()
-        self._bar = tqdm(total=total_steps, initial=start_step, disable=not (progress and write),
+        # A bar redraws one line with carriage returns: on a terminal. Anywhere else (nohup,
+        # sbatch, a log file) and with progress=False, each train record is one plain line.
+        self._bar_on = progress and write and _stderr_is_terminal()
+        self._lines = write and not self._bar_on
+        self._bar = tqdm(total=total_steps, initial=start_step, disable=not self._bar_on,
                          unit="step", dynamic_ncols=True)
         self._t0 = time.perf_counter()
         self._mark_time, self._mark_step = self._t0, start_step
@@ -126,6 +138,11 @@ class MetricsLogger:
         if tok_s:
             post["tok/s"] = f"{tok_s:,.0f}"
         self._bar.set_postfix(post, refresh=False)
+        if self._lines:
+            rate = f", {tok_s:,.0f} tokens/s" if tok_s else ""
+            use = f", MFU {100 * mfu:.1f}%" if mfu else ""
+            self._bar.write(f"step {step}: loss {m['loss']:.4f}, lr {m['lr']:.3g}, grad norm "
+                            f"{m['grad_norm']:.3g}{rate}{use}")
         return rec
 
     def log_eval(self, step: int, val_loss: float) -> None:

@@ -88,3 +88,20 @@ def test_throughput_and_mfu_arithmetic(tmp_path):
     assert rec["mfu"] == pytest.approx(rec["tflops"] * 1e12 / (1e12 * logger.n_devices))
     assert rec["loss_scale"] == 1024.0 and rec["skipped_steps"] == 1
     assert read_metrics(str(tmp_path / "metrics.jsonl"))[0] == [{**rec, "grad_norm": None}]
+
+
+@pytest.mark.parametrize("progress", [True, False])
+def test_off_a_terminal_each_train_record_is_one_plain_line(tmp_path, capsys, progress):
+    """Under nohup / sbatch the bar's carriage returns filled the log, and --no-progress
+    printed no loss or tokens/s at all: off a terminal (pytest's captured stderr is not one)
+    every train record is one line, with or without --no-progress."""
+    logger = MetricsLogger(str(tmp_path), n_params=2_000_000, tokens_per_step=4096,
+                           total_steps=10, progress=progress)
+    logger.reset_timer(0)
+    logger.log_train(5, {"loss": 2.5, "lr": 1e-3, "grad_norm": 0.5, "loss_scale": 1.0,
+                         "finite": 1.0, "skipped_steps": 0.0})
+    logger.close()
+    captured = capsys.readouterr()
+    lines = [ln for ln in captured.out.splitlines() if ln.startswith("step 5:")]
+    assert len(lines) == 1 and "loss 2.5000" in lines[0] and "tokens/s" in lines[0]
+    assert "\r" not in captured.err
