@@ -43,7 +43,7 @@ class MixtureSampler:
                              f"host_count={host_count}")
         self.sources, self.seed = list(sources), int(seed)
         self.weights = [float(w) for w in weights]
-        self.cumulative = np.cumsum(self.weights) / sum(self.weights)
+        self.cumulative = _cumulative_shares(self.weights)
         self.global_batch_size, self.host_index = int(global_batch_size), int(host_index)
         self.host_count, self.step = int(host_count), 0
 
@@ -84,3 +84,27 @@ class MixtureSampler:
         for source, saved in zip(self.sources, state["sources"]):
             source.load_state_dict({k: v for k, v in saved.items() if k != "name"})
         self.step = int(state["step"])
+
+
+def _cumulative_shares(weights: Sequence[float]) -> np.ndarray:
+    """Cumulative shares of `weights` (last = 1). Scaled by the largest weight first, so
+    weights near float64's limit (1e308 twice once summed to inf and sent every row to one
+    source) keep their ratios; a weight too small beside the others to ever be drawn is a
+    one-line ValueError."""
+    w = np.asarray(weights, np.float64)
+    if not np.all(np.isfinite(w)):
+        raise ValueError(f"data.weights: every weight must be finite, got {list(weights)}")
+    total = float(np.sum(w))
+    if np.isfinite(total):       # the ordinary case, computed as before (a resume draws alike)
+        share = w / total
+        cumulative = np.cumsum(w) / total
+    else:
+        share = (w / w.max()) / np.sum(w / w.max())
+        cumulative = np.cumsum(share)
+    if np.any(share < 2.0**-52):
+        raise ValueError(f"data.weights: {list(weights)}: a source's share is below 2^-52 "
+                         "of the rows, so it would never be drawn; give weights of "
+                         "comparable size")
+    if not np.isfinite(total):
+        cumulative[-1] = 1.0
+    return cumulative

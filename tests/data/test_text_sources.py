@@ -178,3 +178,14 @@ def test_a_parquet_column_that_is_not_text_is_one_line(tmp_path, column):
     (tmp_path / "d" / "x.parquet").write_bytes(b"PAR1 not really parquet PAR1")
     with pytest.raises(ValueError, match=r"x.parquet: not a readable Parquet file"):
         first_document()
+
+
+def test_huge_weights_keep_their_ratio_and_a_vanishing_one_is_refused():
+    """`data.weights: [1e308, 1e308]` summed to inf and sent every row to one source."""
+    from lwm_jax.data.mixture import _cumulative_shares
+    np.testing.assert_allclose(_cumulative_shares([1e308, 1e308]), [0.5, 1.0])
+    np.testing.assert_allclose(_cumulative_shares([1.5e308, 0.5e308]), [0.75, 1.0])
+    np.testing.assert_array_equal(_cumulative_shares([3.0, 1.0]),
+                                  np.cumsum([3.0, 1.0]) / 4.0)      # as before: same draws
+    with pytest.raises(ValueError, match=r"data.weights: .* would never be drawn"):
+        _cumulative_shares([1e300, 1e-300])
