@@ -470,6 +470,11 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
         key = key.strip()
         if not sep or not key or any(not p for p in key.split(".")):
             raise ValueError(f"override {short(item)}: expected key=value, e.g. train.lr=3e-4")
+        bad = next((i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff"), None)
+        if bad is not None:           # a byte of a non-UTF-8 command-line argument
+            _fail(_key(key), f"the value holds byte 0x{ord(text[bad]) - 0xdc00:02x}, which is not "
+                             "UTF-8; config values (paths included) must be UTF-8 text: rename "
+                             "the file or directory")
         value = load_yaml(text, f"{_key(key)}: value {short(text)}") if text.strip() else None
         node = out
         parts = key.split(".")

@@ -127,6 +127,8 @@ def test_run_name_defaults_to_file_stem(tmp_path):
     (["model.n_layers=2"], "model.n_layers: unknown key; valid keys: "),
     (["train.lr=fast"], "train.lr: expected a number, got 'fast'"),
     (["train.steps=1.5"], "train.steps: expected an integer, got 1.5"),
+    (["run_dir=/tmp/\udcffrun"], "run_dir: the value holds byte 0xff, which is not UTF-8"),
+    (["data.path=d\udce9ta"], "data.path: the value holds byte 0xe9, which is not UTF-8"),
     # beyond int32 (the device's step counter and seeds): named, never an OverflowError later
     (["train.steps=9223372036854775808"], "train.steps: 9223372036854775808 is out of range; "
                                           "config integers lie within +-2147483647"),
