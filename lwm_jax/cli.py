@@ -29,6 +29,7 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
 
 from lwm_jax.cli_args import COMMANDS, DESCRIPTIONS, HelpFormatter
@@ -255,6 +256,16 @@ def _debug() -> bool:
     return any(os.environ.get(v, "") not in ("", "0") for v in DEBUG_VARS)
 
 
+class Terminated(BaseException):
+    """SIGTERM outside `train`'s own handler (while JAX imports, a config loads, a file
+    converts): exit 143 with one line, not a silent death by the signal. Raised from the
+    handler, so `with` blocks and `finally` clauses (temporary files) still run."""
+
+
+def _terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run `lwm-jax` with `argv` (default: `sys.argv[1:]`); returns the exit status (see the
     module docstring). Usage errors raise SystemExit(2) from argparse."""
@@ -263,16 +274,20 @@ def main(argv: list[str] | None = None) -> int:
     if getattr(args, "stop_after", None) is not None and args.stop_after < 1:
         parser.error(f"--stop-after: must be >= 1, got {args.stop_after}")
     ignore_closed_event_loop_noise()
-    from lwm_jax.hardware import skip_absent_tpu
-    skip_absent_tpu()           # libtpu on a CPU host: no failed TPU start-up on stderr
     name = f"lwm-jax {args.command}"
+    previous = signal.signal(signal.SIGTERM, _terminated)   # until `train` installs its own
     try:
+        from lwm_jax.hardware import skip_absent_tpu
+        skip_absent_tpu()           # libtpu on a CPU host: no failed TPU start-up on stderr
         return args.func(args)
     except KeyboardInterrupt:
         if _debug():
             raise
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print(f"{name}: stopped by SIGTERM", file=sys.stderr)
+        return 143
     except Exception as err:        # noqa: BLE001 -- every error becomes one line
         if _debug():
             raise
@@ -287,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: internal error: {type(err).__name__}: {_clean(err)[:300]} ({where}; "
               "LWM_DEBUG=1 prints it; please report this)", file=sys.stderr)
         return 1
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

@@ -47,3 +47,21 @@ def test_light_argument_module_matches_the_implementations():
     from lwm_jax import cli_args
     from lwm_jax.interop import api
     assert cli_args.FORMATS == api.FORMATS and cli_args.EXPORT_FORMATS == api.EXPORT_FORMATS
+
+
+def test_sigterm_before_training_starts_is_one_line_and_143():
+    """SIGTERM while a command is still importing JAX or loading its input used to kill the
+    process silently (status -15)."""
+    import subprocess
+    import sys
+    code = ("import os, signal, time\n"
+            "import lwm_jax.cli as cli\n"
+            "def slow(args):\n"
+            "    os.kill(os.getpid(), signal.SIGTERM)\n"
+            "    time.sleep(30)\n"
+            "cli.train_main = slow\n"
+            "import sys; sys.exit(cli.main(['train', '--print-config']))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 143, (run.returncode, run.stderr)
+    assert run.stderr.strip() == "lwm-jax train: stopped by SIGTERM"
