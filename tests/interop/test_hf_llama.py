@@ -22,9 +22,11 @@ T = 40          # longer than the llama3 variant's 16-position original context
 def _save_hf(path, seed=0, **overrides):
     """A small random LlamaForCausalLM (norm weights randomised too) saved to `path`; returns
     it (float32, eval mode)."""
+    # rms_norm_eps and max_position_embeddings are not the importer's defaults (1e-6, 2048):
+    # an importer that ignored them would still match a fixture that used those values
     kwargs = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False)
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=96,
+                  rms_norm_eps=3e-3, initializer_range=0.1, tie_word_embeddings=False)
     kwargs.update(overrides)
     torch.manual_seed(seed)
     cfg = transformers.LlamaConfig(**kwargs)
@@ -64,6 +66,7 @@ def test_logits_match_transformers(tmp_path, variant):
     assert isinstance(model, Llama)
     assert (cfg.n_head, cfg.n_kv_head) == (4, variant.get("num_key_value_heads", 2))
     assert cfg.tie_embeddings is variant.get("tie_word_embeddings", False)
+    assert (cfg.rms_eps, cfg.max_seq_len) == (3e-3, 96)
     tokens = np.random.default_rng(0).integers(0, 101, (2, T))
     ref = _hf_logits(hf, tokens)
     assert _rel(_ours(model, tokens), ref) < 1e-4
