@@ -14,7 +14,7 @@ import pytest
 from lwm_jax.aot import testing as tpu
 from lwm_jax.aot.plan import compile_plan
 from lwm_jax.train.saved_step import check_header, read_header
-from lwm_jax.aot.topology import topology_devices
+from lwm_jax.aot.topology import parse_topology, topology_devices
 from lwm_jax.train.config import load_config
 
 pytestmark = pytest.mark.tpu_compile
@@ -53,7 +53,8 @@ def test_each_model_family_compiles_for_tpu_with_its_kernels(config, overrides, 
     # splash forward, dQ and dK/dV kernels
     assert len(calls) == 2 * wkv_layers + 3 * n_attention, (family, len(calls))
     assert plan.fits() and plan.platform == "tpu" and plan.estimate is not None
-    tpu.report(record_property, topology.split("-")[0], f"{config} train step", plan.train.compiled,
+    generation = parse_topology(topology).jax_name.split(":")[0]      # v5litepod-4 -> v5e
+    tpu.report(record_property, generation, f"{config} train step", plan.train.compiled,
                plan.train.compile_s)
 
 
