@@ -37,7 +37,7 @@ from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import abstract_with_shardings
 from lwm_jax.train.config import RunConfig
 from lwm_jax.train.params import count_params
-from lwm_jax.train.preflight import _SLACK, check_step_fits, step_bytes
+from lwm_jax.train.preflight import FIT_SLACK, check_step_fits, step_bytes
 from lwm_jax.train.sharding import num_slices, tokens_sharding
 from lwm_jax.train.trainer import TrainProgram, build_program
 
@@ -113,9 +113,11 @@ class Plan:
                 "fits": self.fits()}
 
     def fits(self) -> bool:
+        """Every compiled step's peak within `FIT_SLACK` of the chip's HBM (True when unknown)."""
         hbm = self.hbm
-        return hbm is None or all(s is None or s.memory is None or s.memory["peak"] <= _SLACK * hbm
-                                  for s in (self.train, self.eval))
+        return hbm is None or all(
+            s is None or s.memory is None or s.memory["peak"] <= FIT_SLACK * hbm
+            for s in (self.train, self.eval))
 
 
 def _per_device_bytes(tree: Any) -> int:

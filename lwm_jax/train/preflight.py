@@ -23,7 +23,7 @@ from lwm_jax.train.config import RunConfig, mesh_shape
 
 # Headroom for what the analysis does not count (allocator fragmentation, cuBLAS/cuDNN
 # workspaces, the input pipeline's device buffers).
-_SLACK = 0.95
+FIT_SLACK = 0.95
 
 
 def step_bytes(compiled) -> dict[str, int] | None:
@@ -82,10 +82,10 @@ def check_step_fits(cfg: RunConfig, usage: dict[str, int] | None, have: int | No
                     what: str, step: str = "train step",
                     sizes: dict[str, int] | None = None) -> None:
     """Raise ValueError (one line, naming the keys to change) when `usage["peak"]` exceeds
-    `_SLACK * have`. No-op when either side is unknown. `step` names the program ("train
+    `FIT_SLACK * have`. No-op when either side is unknown. `step` names the program ("train
     step", "eval step"); `sizes`: the resolved mesh, when known (a replicated state then
     suggests moving devices to `mesh.fsdp`)."""
-    if usage is None or not have or usage["peak"] <= _SLACK * have:
+    if usage is None or not have or usage["peak"] <= FIT_SLACK * have:
         return
     t = cfg.train
     fixes = [f"lower train.batch_size (raise train.grad_accum to keep {t.batch_size} sequences "
