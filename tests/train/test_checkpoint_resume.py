@@ -192,14 +192,14 @@ def test_checkpoint_dir_elsewhere_is_locked_with_the_run(tmp_path, data_prefix):
     run's checkpoints and wrote into them while it ran; the checkpoint dir is now locked too."""
     from lwm_jax.train.run_lock import RunDirLock
     shared = tmp_path / "ckpts"
-    cfg = load_config(None, [*SMALL, "train.steps=2", f"data.path={data_prefix}",
+    cfg = load_config(None, [*SMALL, "train.steps=3", f"data.path={data_prefix}",
                              f"run_dir={tmp_path / 'b'}", f"checkpoint.dir={shared}"])
     os.makedirs(shared)
     with RunDirLock(str(shared), "checkpoint.dir"):      # run a, still training
         with pytest.raises(ValueError, match=r"checkpoint.dir: .* is in use by pid \d+ on .*"):
             train(cfg, progress=False)
     assert not os.path.exists(tmp_path / "b" / "config.yaml")
-    assert train(cfg, progress=False).step == 2          # free again: it runs (and resumes later)
+    assert train(cfg, progress=False).step == 3          # free again: it runs (and resumes later)
 
 
 @pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", ".lock", "loss_curve.png"])
