@@ -111,19 +111,20 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
     if xent_impl not in XENT_IMPLS:
         raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, "
                          f"got {xent_impl!r}")
-    if xent_impl == "auto":
-        on_gpu = (platform or platform_of(mesh)) == "gpu"
-        one_device = mesh is None or mesh.size == 1
-        xent_impl = "pallas" if on_gpu and one_device and vocab_block(
-            _vocab_of(head_fn, x_BTC, head_params)) is not None else "xla"
+    if xent_impl == "auto" and not ((platform or platform_of(mesh)) == "gpu"
+                                    and (mesh is None or mesh.size == 1)):
+        xent_impl = "xla"        # on one GPU "auto" stays: the kernel where the vocabulary tiles
     return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
                   targets_BT)
 
 
-def _vocab_of(head_fn, x_BTC, head_params) -> int:
-    """The vocabulary size `head_fn` produces (its logits' last dim, from shapes alone)."""
-    one = jax.ShapeDtypeStruct((1, 1, x_BTC.shape[-1]), x_BTC.dtype)
-    return int(jax.eval_shape(head_fn, one, head_params).shape[-1])
+def _kernel_applies(xent_impl: str, vocab: int) -> bool:
+    """Whether a chunk's statistics and gradient come from `xent_pallas`: "pallas" /
+    "interpret" always; "auto" (left standing by `fused_lm_loss` on one GPU only) when the
+    vocabulary tiles (`vocab_block`)."""
+    if xent_impl == "auto":
+        return vocab_block(vocab) is not None
+    return xent_impl in ("pallas", "interpret")
 
 
 def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
@@ -202,7 +203,7 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
         weight_Bn = valid_n[None, :] * inv_total
         scale_Bn = jnp.broadcast_to(valid_n[None, :], tgt_Bn.shape)
         l2wrap_factor = L2WRAP_FACTOR if use_l2wrap else None
-        if with_grad and xent_impl in ("pallas", "interpret"):
+        if with_grad and _kernel_applies(xent_impl, logits_BnV.shape[-1]):
             # one kernel (`lwm_jax.ops.xent`); the gradient written in the dtype the head's
             # backward products round the cotangent to (x's: the compute dtype), widened for
             # the pullback below: the same bits reach the products

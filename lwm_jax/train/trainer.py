@@ -166,10 +166,10 @@ def _locks(cfg: RunConfig, run_dir: str) -> contextlib.ExitStack:
     run dir (two runs with their own run dirs must not share checkpoints)."""
     stack = contextlib.ExitStack()
     stack.enter_context(RunDirLock(run_dir))
-    ckpt = cfg.checkpoint_dir
-    inside = os.path.commonpath([os.path.abspath(ckpt), os.path.abspath(run_dir)]) == \
-        os.path.abspath(run_dir) if "://" not in ckpt else True
-    if not inside:
+    ckpt, run = cfg.checkpoint_dir, os.path.abspath(run_dir)
+    local_elsewhere = "://" not in ckpt and os.path.commonpath(
+        [os.path.abspath(ckpt), run]) != run
+    if local_elsewhere:
         try:
             os.makedirs(ckpt, exist_ok=True)
         except OSError as err:
