@@ -1,4 +1,5 @@
-"""Shared test set-up: the `gpu` marker skips off-GPU, and fixtures for WKV7 problems.
+"""Shared test set-up: the `gpu` marker skips off-GPU, `gpu_path` marks the files a GPU runs
+differently (`GPU_PATH_FILES`), and fixtures for WKV7 problems.
 
 Layout: `tests/` mirrors the package (`tests/ops/wkv7/`, `tests/models/rwkv7/`, `tests/train/`,
 ...); cross-cutting suites (bad inputs, CLI, precision islands, planted-bug survivors) stay at
@@ -11,7 +12,7 @@ import os
 
 # Two pytest-xdist workers share one GPU: with JAX's default preallocation each takes 75% of it
 # at its first array. On an H100 a WKV-state test failed that way and passed alone; allocating
-# on demand, both workers pass (benchmarks/RESULTS.md, session 22). An explicit setting in the
+# on demand, both workers pass (benchmarks/RESULTS.md, 2026-11-26). An explicit setting in the
 # environment still wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -26,6 +27,27 @@ from lwm_jax.hardware import skip_absent_tpu  # noqa: E402
 skip_absent_tpu()
 
 ON_GPU = jax.default_backend() == "gpu"
+
+# Test files that run code on a GPU that a CPU never runs: Pallas kernels compiled by Triton,
+# cuDNN attention, TF32 / bf16 GEMMs under each precision policy, the fp32 islands and the
+# hand-written backward rules around them, the kernels' auto choice, GPU training and FLA
+# interop. Their tests get the `gpu_path` marker; they run everywhere, and on a GPU
+# `python -m pytest -m "gpu or gpu_path"` runs all of them (README, "Tests on a GPU").
+# A file belongs here when its results could differ on a GPU; TPU-interpreter tests do not.
+GPU_PATH_FILES = (
+    "tests/ops/wkv7/test_wkv7_pallas.py", "tests/ops/wkv7/test_wkv7_pallas_pair.py",
+    "tests/ops/wkv7/test_wkv7_ops.py", "tests/ops/wkv7/test_wkv7_aligned_keys.py",
+    "tests/ops/wkv7/test_wkv7_limits.py", "tests/ops/wkv7/test_wkv_precision.py",
+    "tests/ops/test_xent.py", "tests/ops/test_layer_norm.py", "tests/ops/test_group_norm.py",
+    "tests/ops/test_relu2_matmul.py",
+    "tests/layers/test_attention.py", "tests/layers/test_norms.py",
+    "tests/layers/test_rms_norm.py", "tests/layers/test_rope.py",
+    "tests/models/rwkv7/test_model.py", "tests/models/rwkv7/test_kk_normalise.py",
+    "tests/models/rwkv7/test_squared_relu.py", "tests/models/rwkv7/test_fp16_channel_mix.py",
+    "tests/models/llama/test_llama_model.py", "tests/models/hybrid/test_hybrid.py",
+    "tests/test_fp32_islands.py", "tests/test_precision.py", "tests/test_bf16_split.py",
+    "tests/train/test_fused_loss.py", "tests/interop/test_fla_interop.py",
+)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -48,6 +70,10 @@ def pytest_collection_modifyitems(config, items):
     module-scoped fixtures are built once, not once per worker: the sequence-parallel file's
     took ~65 s twice when its one fast test was sorted away from its slow ones). Tests marked
     `gpu` need compiled CUDA kernels: skip them cleanly elsewhere."""
+    gpu_path = pytest.mark.gpu_path
+    for item in items:
+        if item.path.relative_to(config.rootpath).as_posix() in GPU_PATH_FILES:
+            item.add_marker(gpu_path)
     slow_files = {item.path for item in items if "slow" in item.keywords}
     items.sort(key=lambda item: item.path not in slow_files)       # stable: order kept otherwise
     if importlib.util.find_spec("libtpu") is None:
@@ -67,6 +93,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def on_cpu():
+    """Run the test on the CPU whatever accelerator the host has: for Pallas' TPU interpreter,
+    whose float32 results are compared at CPU tolerances (on a GPU its matmuls would take the
+    GPU's default TF32 precision, and the interpreter there tests nothing a TPU runs)."""
+    with jax.default_device(jax.devices("cpu")[0]):
+        yield
 
 
 @pytest.fixture

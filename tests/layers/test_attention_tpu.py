@@ -9,6 +9,8 @@ import pytest
 from lwm_jax.layers.attention import cached_attention, empty_cache, self_attention
 from lwm_jax.layers.attention_tpu import block_size, splash_self_attention, splash_supported
 
+pytestmark = pytest.mark.usefixtures("on_cpu")   # the interpreter at CPU tolerances on any host
+
 T = 384   # three 128-blocks: the kernel's cross-block softmax and causal block skipping run
 
 
@@ -35,7 +37,7 @@ def _splash(q, k, v, seg=None):
 
 
 def _xla(q, k, v, seg=None):
-    return self_attention(q, k, v, precision="highest", segment_ids_BT=seg)
+    return self_attention(q, k, v, precision="highest", segment_ids_BT=seg, platform="cpu")
 
 
 @pytest.mark.parametrize("H,K", [(4, 2), (4, 4)])
@@ -113,7 +115,7 @@ def test_tpu_dispatch_selects_splash_only_where_it_applies(jaxpr_eqns):
     def run(q, k, v, seg=None, precision="default", platform="tpu"):
         return self_attention(q, k, v, precision=precision, segment_ids_BT=seg, interpret=True,
                               platform=platform)
-    assert _kernels(lambda *a: run(*a, platform=None), q, k, v) == 0   # CPU: unchanged (XLA)
+    assert _kernels(lambda *a: run(*a, platform="cpu"), q, k, v) == 0  # CPU: unchanged (XLA)
     assert _kernels(run, q, k, v) == 1                      # compiled for TPU, bf16: splash
     assert _kernels(run, q, k, v, seg) == 1                 # packed documents too
     out = run(q, k, v, seg)
