@@ -16,6 +16,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+# slow: FLA autotunes its Triton kernels at first use (minutes on a fresh machine); as a slow
+# file the suite keeps it on one worker, so that tuning runs once per process, not per test.
+pytestmark = pytest.mark.slow
+
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 if not torch.cuda.is_available():

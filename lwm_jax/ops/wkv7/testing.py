@@ -49,6 +49,9 @@ def rel_err(x, ref) -> float:
 def wkv7_reference_vjp_f64(inputs, initial_state, segment_ids, d_out, d_state):
     """Float64 WKV7 outputs and gradients (recurrent JAX form run under `jax.enable_x64`).
 
+    Runs on the CPU whatever accelerator holds the inputs: IEEE float64 there, while a GPU's
+    float64 units are few and a token scan of small float64 steps there takes minutes.
+
     Args:
       inputs: `(r, w, k, v, a, b)` arrays (any float dtype; values are converted exactly to f64).
       initial_state: `[B, H, K, V]` or None.
@@ -60,7 +63,7 @@ def wkv7_reference_vjp_f64(inputs, initial_state, segment_ids, d_out, d_state):
       "b" (and "initial_state" when given) to the gradient of `<o, d_out> + <S_T, d_state>`.
     """
     f64 = lambda x: np.asarray(x, dtype=np.float64)
-    with jax.enable_x64(True):
+    with jax.enable_x64(True), jax.default_device(jax.devices("cpu")[0]):
         xs = tuple(jnp.asarray(f64(x)) for x in inputs)
         s0 = None if initial_state is None else jnp.asarray(f64(initial_state))
         seg = None if segment_ids is None else jnp.asarray(np.asarray(segment_ids))
