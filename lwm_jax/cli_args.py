@@ -145,8 +145,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 def add_generate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Options of `lwm-jax generate` (implemented in `lwm_jax.generate.cli.generate_main`)."""
     add_model_args(p)
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt", help="prompt text")
+    src = p.add_mutually_exclusive_group()     # neither: only with --load-state (no new text)
+    src.add_argument("--prompt", help="prompt text (may be empty or left out with --load-state)")
     src.add_argument("--prompt-file", help="read the prompt from this UTF-8 file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate at most")
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
@@ -169,8 +169,11 @@ def add_generate_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--decode-block", type=int, default=16,
                    help="decode steps per compiled call (one host sync each; text is streamed "
                         "in bursts of up to this many tokens)")
-    p.add_argument("--load-state", help="start from a state saved with --save-state")
-    p.add_argument("--save-state", help="save the final state (.safetensors)")
+    p.add_argument("--load-state",
+                   help="start from a state saved with --save-state; with an empty or no "
+                        "prompt, continue it without new text (RWKV-7)")
+    p.add_argument("--save-state",
+                   help="save the final state and its last logits (.safetensors, RWKV-7)")
     return p
 
 

@@ -6,8 +6,12 @@
 The prompt is echoed, then the continuation streams to stdout as tokens arrive (multi-byte
 characters are printed once complete; `--no-echo` prints only the continuation). A summary
 with tokens/s goes to stderr at the end, so stdout holds only text.
-`--save-state FILE` stores the state after the prompt and the generated text (with
-`--max-new-tokens 0`: the prompt's state); `--load-state FILE` starts from such a state.
+`--save-state FILE` (RWKV-7 only) stores the state after the prompt and the generated text
+(with `--max-new-tokens 0`: the prompt's state) and the logits of its last position;
+`--load-state FILE` starts from such a state: a prompt is fed to it first, and with an empty
+prompt (`--prompt ""` or none given) generation continues right where the saved run stopped
+(greedy decoding then gives the tokens one uninterrupted run would have given). A state file
+of format 1 (written before the logits were stored) needs a non-empty prompt.
 """
 from __future__ import annotations
 
@@ -61,9 +65,21 @@ class _TextStream:
         self.out.flush()
 
 
+# Why a family cannot save or load a state (all but RWKV-7); the refusal is one line.
+NO_STATE_FILE = {
+    "llama": "decodes from a KV cache, which is not saved",
+    "rwkv7-hybrid": "cannot generate yet (its attention layers would need a KV cache)",
+}
+
+
 def _read_prompt(args: argparse.Namespace) -> str:
+    """The prompt text; "" when neither --prompt nor --prompt-file is given (allowed only with
+    --load-state, which can continue a saved state without new text)."""
+    if not args.prompt_file and args.prompt is None and not args.load_state:
+        raise ValueError("--prompt: no prompt given; pass --prompt TEXT or --prompt-file FILE "
+                         "(only --load-state can continue without one)")
     if not args.prompt_file:
-        return args.prompt
+        return args.prompt or ""
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
             return f.read()
@@ -78,11 +94,13 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
     The prompt (unless `--no-echo`) and the generated text go to `out` (default stdout), a
     one-line summary with tokens/s to `err` (default stderr). Paths and sampling settings are
     checked before the model is loaded; every problem is a one-line ValueError (see
-    `load_model_and_tokenizer`, `state_io.load_state`).
+    `load_model_and_tokenizer`, `state_io.load_state_file`). An empty prompt needs
+    `--load-state` with a file that stores its logits (format 2): generation then starts from
+    those logits.
     """
     from lwm_jax.generate.engine import Generator
     from lwm_jax.generate.sampling import SamplingParams
-    from lwm_jax.generate.state_io import check_state_target, load_state, save_state
+    from lwm_jax.generate.state_io import FORMAT_V1, check_state_target, load_state_file, save_state
     from lwm_jax.models.registry import arch_of_model
     out = out or sys.stdout
     err = err or sys.stderr
@@ -99,13 +117,19 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
     arch = arch_of_model(model).name
     if (args.save_state or args.load_state) and arch != "rwkv7":
         flag = "--save-state" if args.save_state else "--load-state"
+        why = NO_STATE_FILE.get(arch, "has no recurrent state")
         raise ValueError(f"{flag}: only RWKV-7 models have a state file; this {arch} model "
-                         "decodes from a KV cache (leave the flag out)")
+                         f"{why} (leave the flag out)")
     ids = tok.encode(text)
-    if not ids:
+    if not ids and not args.load_state:
         raise ValueError("--prompt: empty after tokenization; give some text")
+    saved = load_state_file(args.load_state, cfg) if args.load_state else None
+    if not ids and saved.logits is None:
+        raise ValueError(f"--load-state: {quote_path(args.load_state)} predates stored logits "
+                         f"(format {FORMAT_V1!r}), so it cannot continue without new text; give a "
+                         "non-empty --prompt, or save the state again with this version "
+                         "(--save-state)")
     stops = list(args.stop_token) + ([] if args.no_stop_at_eod else [tok.eod_id])
-    initial = load_state(args.load_state, cfg) if args.load_state else None
     gen = Generator(model, prefill_chunk=args.prefill_chunk, decode_block=args.decode_block)
     stream = _TextStream(tok, out)
     first: list[float] = []
@@ -120,12 +144,17 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
         out.flush()
     start = time.perf_counter()
     result = gen.generate([ids], args.max_new_tokens, sampling, stop_tokens=stops,
-                          seed=args.seed, initial_state=initial, on_token=on_token)
+                          seed=args.seed, initial_state=None if saved is None else saved.state,
+                          on_token=on_token,
+                          initial_logits=None if ids or saved is None else saved.logits)
     elapsed = time.perf_counter() - start
     out.write("\n")
     out.flush()
     if args.save_state:
-        save_state(args.save_state, result.state, cfg, n_tokens=[len(ids) + len(result.tokens[0])])
+        before = [0] if saved is None else saved.n_tokens      # [] when the file did not say
+        consumed = [n + len(ids) + len(result.tokens[0]) for n in before[:1]] or None
+        save_state(args.save_state, result.state, cfg, n_tokens=consumed,
+                   logits=result.last_logits)
     err.write(_summary(len(ids), len(result.tokens[0]), elapsed,
                        first[0] - start if first else None, result.finish_reasons[0]) + "\n")
     return result.tokens[0]

@@ -20,14 +20,15 @@ How a batch of prompts of different lengths is run exactly (no padding ever ente
    The per-row bookkeeping lives on the device too: the count of returned tokens (a row that
    already returned `max_new_tokens` finishes "length" at its next step, which consumes its
    last token), stop-token detection through a boolean `[V]` mask (finish "stop"), and the
-   running flag. The carried state, token counts and key are donated, so the state buffers are
-   updated in place (a caller's `initial_state` is copied first and stays valid). Per block the
-   host gets tokens `[K, B]` int32 and event codes `[K, B]` int8 (0 nothing, 1 token returned,
-   2 finished "stop", 3 finished "length"), plus float32 logits `[K, B, V]` only when
-   `return_logits` (a static flag). The next block is launched before the host reads the
-   current one, so host work overlaps device work; a block the host already knows is not
-   needed (every row has reached `max_new_tokens`) is never launched, and one launched in vain
-   (all rows hit a stop token) changes nothing, since finished rows are frozen.
+   running flag. The carried state, token counts, last logits and key are donated, so the state
+   buffers are updated in place (a caller's `initial_state` and `initial_logits` are copied
+   first and stay valid). Per block the host gets tokens `[K, B]` int32 and event codes
+   `[K, B]` int8 (0 nothing, 1 token returned, 2 finished "stop", 3 finished "length"), plus
+   float32 logits `[K, B, V]` only when `return_logits` (a static flag). The next block is
+   launched before the host reads the current one, so host work overlaps device work; a block
+   the host already knows is not needed (every row has reached `max_new_tokens`) is never
+   launched, and one launched in vain (all rows hit a stop token) changes nothing, since
+   finished rows are frozen.
 The forced prompt tokens of each block are host-built `[K, B]` arrays and every setting (sampling
 knobs, `max_new_tokens`, stop mask) is a traced array, so the block compiles once per model
 structure, batch size, block length and `return_logits` (the prefill once per model structure
@@ -35,7 +36,16 @@ and batch size), whatever the prompts, lengths or settings. Steps split the key 
 one-token-at-a-time loop would, so tokens do not depend on `decode_block`.
 
 The state returned at the end has consumed each row's prompt and every token returned for that
-row (a stop token is not returned and not consumed), ready to continue the conversation.
+row (a stop token is not returned and not consumed), ready to continue the conversation; the
+block carry also keeps each row's logits after its last consumed token (`last_logits`: the
+step that finishes a row computes them, then the row is frozen), so that a later call can draw
+the next token from them without new text.
+
+Continuing without new text: with `initial_logits` (the `last_logits` that belong to
+`initial_state`), a row may have an empty prompt. Its first step takes its token from those
+logits instead of the model's output (the model still runs on the batch, but that row's state is
+not updated), so the tokens are exactly those of one uninterrupted call under greedy decoding.
+Sampled tokens follow the new call's seed, and penalties count only tokens generated in this call.
 """
 from __future__ import annotations
 
@@ -62,24 +72,32 @@ class GenerationResult:
     state: `RWKV7State` (a `Llama`'s `KVCache`) after each row's prompt and returned tokens.
     logits: per row, float32 `[n_generated, V]` raw (pre-penalty) logits each returned token
       was drawn from, when `return_logits=True`; else None.
+    last_logits: float32 `[B, V]`, each row's raw logits after the last token `state` consumed
+      (its next token is drawn from them; what `save_state` stores beside the state).
     """
 
     tokens: list[list[int]]
     finish_reasons: list[str]
     state: object
     logits: list[np.ndarray] | None = None
+    last_logits: np.ndarray | None = None
 
 
-def _as_prompts(prompts, vocab_size: int) -> list[list[int]]:
+def _as_prompts(prompts, vocab_size: int, allow_empty: bool = False) -> list[list[int]]:
+    """Prompts as lists of ints (one flat list is one prompt); an empty one only when
+    `allow_empty` (the caller gave the logits to start from)."""
     if len(prompts) and all(isinstance(t, (int, np.integer)) for t in prompts):
         prompts = [prompts]
     out = [[int(t) for t in p] for p in prompts]
     if not out:
         raise ValueError("prompts: no prompt given")
     for i, p in enumerate(out):
+        if not p and allow_empty:
+            continue
         if not p:
             raise ValueError(f"prompts[{i}]: empty prompt; start it with at least one token "
-                             "(RWKV models use 0, the end-of-document id, as a neutral start)")
+                             "(RWKV models use 0, the end-of-document id, as a neutral start), "
+                             "or continue a state with its initial_logits")
         if min(p) < 0 or max(p) >= vocab_size:
             raise ValueError(f"prompts[{i}]: token ids must lie in [0, {vocab_size}), "
                              f"got [{min(p)}, {max(p)}]")
@@ -107,9 +125,12 @@ def _block_fn(graph, return_logits, params, rest, carry, forced_KB, is_forced_KB
               max_new, sp):
     """`K = forced_KB.shape[0]` decode steps on the device (see the module docstring).
 
-    carry: `(state, counts_BV int32, key, feed_B int32, n_out_B int32, finish_B int32)`, where
-      `feed_B` is each row's next input token, `n_out_B` its count of returned tokens and
-      `finish_B` NONE while it runs, else STOP or LENGTH.
+    carry: `(state, counts_BV int32, key, feed_B int32, n_out_B int32, finish_B int32,
+      last_BV float32, given_B bool)`, where `feed_B` is each row's next input token, `n_out_B`
+      its count of returned tokens, `finish_B` NONE while it runs, else STOP or LENGTH,
+      `last_BV` its logits after the last token its state consumed, and `given_B` marks rows
+      whose next step uses `last_BV` instead of feeding `feed_B` (an empty prompt continuing a
+      state: only ever at the first step).
     forced_KB / is_forced_KB: int32 / bool `[K, B]`, the prompt token each row must produce at
       each step, and whether it must. stop_V: bool `[V]`. max_new: int32 scalar.
     Returns `(carry, (tokens_KB int32, events_KB int8[, logits_KBV float32]))`.
@@ -121,13 +142,14 @@ def _block_fn(graph, return_logits, params, rest, carry, forced_KB, is_forced_KB
     carry = (_unstack(state, L), *rest_carry)
 
     def step(carry, xs):
-        state_layers, counts_BV, key, feed_B, n_out_B, finish_B = carry
+        state_layers, counts_BV, key, feed_B, n_out_B, finish_B, last_BV, given_B = carry
         forced_B, is_forced_B = xs
         active_B = finish_B == NONE
         model = nnx.merge(graph, _restack(layers, _is_block_param), rest)
         state = _restack(state_layers)
         logits, new_state = model(feed_B[:, None], state=state, return_state=True)
-        logits_BV = logits[:, 0].astype(jnp.float32)
+        logits_BV = jnp.where(given_B[:, None], last_BV, logits[:, 0].astype(jnp.float32))
+        fed_B = active_B & ~given_B                      # rows whose state consumes feed_B
         key, sub = jax.random.split(key)
         sampled = sample(apply_penalties(logits_BV, counts_BV, sp), sub, sp)
         nxt_B = jnp.where(is_forced_B, forced_B, sampled)
@@ -141,11 +163,13 @@ def _block_fn(graph, return_logits, params, rest, carry, forced_KB, is_forced_KB
         n_out_B = n_out_B + emit_B.astype(jnp.int32)
 
         def keep(new, old):          # one layer's state: batch is the leading axis
-            mask = active_B.reshape((-1,) + (1,) * (new.ndim - 1))
+            mask = fed_B.reshape((-1,) + (1,) * (new.ndim - 1))
             return jnp.where(mask, new, old)
         state_layers = jax.tree.map(keep, _unstack(new_state, L), state_layers)
+        last_BV = jnp.where(active_B[:, None], logits_BV, last_BV)
         out = (nxt_B, event_B.astype(jnp.int8)) + ((logits_BV,) if return_logits else ())
-        return (state_layers, counts_BV, key, nxt_B, n_out_B, finish_B), out
+        return (state_layers, counts_BV, key, nxt_B, n_out_B, finish_B, last_BV,
+                jnp.zeros_like(given_B)), out
 
     (state_layers, *rest_carry), ys = jax.lax.scan(step, carry, (forced_KB, is_forced_KB))
     return (_restack(state_layers), *rest_carry), ys
@@ -214,23 +238,33 @@ class Generator:
     # ------------------------------------------------------------------ driver
     def stream(self, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,
                stop_tokens: Sequence[int] = (), seed: int = 0, initial_state=None,
-               return_logits: bool = False) -> Iterator[tuple[int, int]]:
+               return_logits: bool = False,
+               initial_logits=None) -> Iterator[tuple[int, int]]:
         """Yield `(row, token)` as each row produces a token (step by step, rows ascending);
-        returns a `GenerationResult` (as the generator's return value; `generate` collects it)."""
+        returns a `GenerationResult` (as the generator's return value; `generate` collects it).
+
+        `initial_state` (one row, shared, or one per prompt) is the state to start from;
+        `initial_logits` (float32 `[rows of initial_state, V]`, or `[V]` for one row: the
+        `last_logits` that came with it) lets a prompt be empty: that row continues the state
+        directly.
+        """
         sp = (sampling or SamplingParams()).as_arrays()
         if (not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool)
                 or not 0 <= max_new_tokens < 2**30):
             raise ValueError(f"max_new_tokens: must be an integer in [0, 2**30), "
                              f"got {max_new_tokens!r}")
         V = self.cfg.vocab_size
-        rows = _as_prompts(prompts, V)
+        if initial_logits is not None and initial_state is None:
+            raise ValueError("initial_logits: given without the initial_state they belong to; "
+                             "pass both (GenerationResult.state and .last_logits)")
+        rows = _as_prompts(prompts, V, allow_empty=initial_logits is not None)
         stop_V = np.zeros(V, bool)
         for t in stop_tokens:
             if not isinstance(t, (int, np.integer)) or not 0 <= t < V:
                 raise ValueError(f"stop_tokens: ids must be integers in [0, {V}), got {t!r}")
             stop_V[int(t)] = True
         B, lens = len(rows), np.array([len(p) for p in rows])
-        prompt_BT = np.zeros((B, lens.max()), np.int32)
+        prompt_BT = np.zeros((B, max(int(lens.max()), 1)), np.int32)
         for i, p in enumerate(rows):
             prompt_BT[i, : len(p)] = p
         if initial_state is None:
@@ -241,16 +275,21 @@ class Generator:
         else:   # a private float32 copy: the decode blocks donate (invalidate) their input state
             state = jax.tree.map(lambda a: jnp.array(a, jnp.float32, copy=True),
                                  broadcast_state(initial_state, B))
+        last_BV = (jnp.zeros((B, V), jnp.float32) if initial_logits is None
+                   else _given_logits(initial_logits, initial_state, B, V))
         chunk = self.prefill_chunk
-        P = (int(lens.min()) - 1) // chunk * chunk
+        P = max(0, (int(lens.min()) - 1) // chunk * chunk)        # 0 when a prompt is empty
         for start in range(0, P, chunk):
             state = _prefill(self._prefill_graph, self._params, self._rest,
                              jnp.asarray(prompt_BT[:, start: start + chunk]), state)
         K = self.decode_block
-        # Without stop tokens every row finishes ("length") by step max(lens) - P + max_new.
-        n_blocks = -(-(int(lens.max()) - P + max_new_tokens) // K)
+        # Without stop tokens a row finishes ("length") by step len - P + max_new (an empty
+        # prompt: by step 1 + max_new, its first step draws from the given logits).
+        steps = int(np.where(lens > 0, lens - P, 1).max()) + max_new_tokens
+        n_blocks = -(-steps // K)
         carry = (state, jnp.zeros((B, V), jnp.int32), jax.random.key(seed),
-                 jnp.asarray(prompt_BT[:, P]), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+                 jnp.asarray(prompt_BT[:, P]), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32),
+                 last_BV, jnp.asarray(lens == 0))
         consts = (jnp.asarray(stop_V), jnp.int32(max_new_tokens), sp)
         out: list[list[int]] = [[] for _ in range(B)]
         kept: list[list[np.ndarray]] = [[] for _ in range(B)]
@@ -287,7 +326,8 @@ class Generator:
                     reasons[i] = "stop" if events_KB[k, i] == STOP else "length"
         logits_out = ([np.stack(k) if k else np.zeros((0, V), np.float32) for k in kept]
                       if return_logits else None)
-        return GenerationResult(out, reasons, carry[0], logits_out)
+        return GenerationResult(out, reasons, carry[0], logits_out,
+                                np.asarray(jax.device_get(carry[6]), np.float32))
 
     def _fresh_state(self, batch: int, positions: int):
         """Zero state for `batch` rows; a KV cache gets room for `positions` tokens (power of
@@ -304,10 +344,11 @@ class Generator:
     def generate(self, prompts, max_new_tokens: int = 64,
                  sampling: SamplingParams | None = None, stop_tokens: Sequence[int] = (),
                  seed: int = 0, initial_state=None, return_logits: bool = False,
-                 on_token: Callable[[int, int], None] | None = None) -> GenerationResult:
+                 on_token: Callable[[int, int], None] | None = None,
+                 initial_logits=None) -> GenerationResult:
         """Run `stream` to the end (calling `on_token(row, token)` for each token)."""
         it = self.stream(prompts, max_new_tokens, sampling, stop_tokens, seed, initial_state,
-                         return_logits)
+                         return_logits, initial_logits)
         while True:
             try:
                 row, tok = next(it)
@@ -317,8 +358,27 @@ class Generator:
                 on_token(row, tok)
 
     def prefill_state(self, prompts, initial_state=None):
-        """State after consuming `prompts` entirely (nothing generated), for `save_state`."""
+        """State after consuming `prompts` entirely (nothing generated), an `initial_state`.
+        To save it, use `generate(prompts, max_new_tokens=0)` instead: `save_state` also needs
+        that result's `last_logits`."""
         return self.generate(prompts, max_new_tokens=0, initial_state=initial_state).state
+
+
+def _given_logits(logits, state, B: int, V: int) -> jax.Array:
+    """`initial_logits` as a private float32 `[B, V]` copy (the blocks donate their carry).
+    They must have one row per row of `state` (`[V]` for a one-row state), since each row's
+    logits belong to that row's state; a one-row pair is shared by every prompt, as the state
+    is. Wrong shape or NaN/inf: one-line ValueError."""
+    rows = jax.tree.leaves(state)[0].shape[1]           # batch is axis 1 of every state leaf
+    arr = np.asarray(jax.device_get(logits))
+    arr = arr[None] if arr.ndim == 1 else arr
+    if arr.shape != (rows, V) or arr.dtype.kind != "f":
+        raise ValueError(f"initial_logits: shape {list(arr.shape)} ({arr.dtype}), expected float "
+                         f"[{rows}, {V}] (one row per row of initial_state, vocab_size {V})")
+    if not np.isfinite(arr).all():
+        raise ValueError("initial_logits: hold NaN/inf; pass the last_logits of the run that "
+                         "made the state")
+    return jnp.array(np.broadcast_to(arr.astype(np.float32), (B, V)))
 
 
 def generate(model, prompts, max_new_tokens: int = 64, sampling: SamplingParams | None = None,

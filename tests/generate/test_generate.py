@@ -160,12 +160,13 @@ def test_initial_state_survives_donation(gen, prompts):
     # the block really donates its carry (that is why the copy is needed)
     B, V = 3, CFG.vocab_size
     carry = (jax.tree.map(jnp.array, own), jnp.zeros((B, V), jnp.int32), jax.random.key(0),
-             jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32))
+             jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32), jnp.zeros(B, jnp.int32),
+             jnp.zeros((B, V), jnp.float32), jnp.zeros(B, bool))
     K = gen.decode_block
     new, _ = engine._block(gen._step_graph, False, gen._params, gen._rest, carry,
                            jnp.zeros((K, B), jnp.int32), jnp.zeros((K, B), bool),
                            jnp.zeros(V, bool), jnp.int32(5), GREEDY.as_arrays())
-    assert carry[0].wkv.is_deleted() and carry[1].is_deleted()
+    assert carry[0].wkv.is_deleted() and carry[1].is_deleted() and carry[6].is_deleted()
     assert not new[0].wkv.is_deleted()
 
 
@@ -198,7 +199,10 @@ def test_filter_and_penalties_numbers():
 
 def test_saved_prompt_state_continues_exactly(gen, tmp_path):
     head, tail = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5], [8, 9, 7, 9]
-    save_state(tmp_path / "s.safetensors", gen.prefill_state([head]), CFG, n_tokens=[len(head)])
+    pre = gen.generate([head], max_new_tokens=0)
+    assert rel(pre.state.wkv, gen.prefill_state([head]).wkv) == 0.0
+    save_state(tmp_path / "s.safetensors", pre.state, CFG, n_tokens=[len(head)],
+               logits=pre.last_logits)
     loaded = load_state(tmp_path / "s.safetensors", CFG)
     resumed = gen.generate([tail], max_new_tokens=6, sampling=GREEDY, initial_state=loaded,
                            return_logits=True)
