@@ -77,8 +77,14 @@ def stdlib_sources(max_bytes: int = DEFAULT_MAX_BYTES, root: str | os.PathLike |
     return out
 
 
-def _is_val(rel: str, val_fraction: float) -> bool:
-    h = int.from_bytes(hashlib.sha256(rel.encode("utf-8")).digest()[:8], "little")
+def is_held_out(identity: str, val_fraction: float) -> bool:
+    """True when the document named by `identity` belongs to the validation split: the first
+    8 bytes of the SHA-256 of its UTF-8 encoding, read as a little-endian integer, lie below
+    `val_fraction * 2^64`. A pure function of the identity, so the split is the same in every
+    run, on every host and after every resume, and about `val_fraction` of many documents are
+    held out; `val_fraction = 0` holds out nothing."""
+    digest = hashlib.sha256(identity.encode("utf-8", "surrogatepass")).digest()
+    h = int.from_bytes(digest[:8], "little")
     return h < val_fraction * 2.0**64
 
 
@@ -86,7 +92,7 @@ def _split(files: list[tuple[str, int]], val_fraction: float) -> tuple[list[str]
     rels = [rel for rel, _ in files]
     if len(rels) < 2:
         raise ValueError(f"the corpus needs at least 2 files for a train/val split, got {len(rels)}: raise max_bytes")
-    val = [r for r in rels if _is_val(r, val_fraction)]
+    val = [r for r in rels if is_held_out(r, val_fraction)]
     if not val:  # keep the split non-empty: the file with the smallest hash goes to validation
         val = [min(rels, key=lambda r: hashlib.sha256(r.encode("utf-8")).digest())]
     if len(val) == len(rels):

@@ -21,6 +21,17 @@ Positions (JSON-able, saved in checkpoints, so a resumed run reads exactly on):
   * `datasets`: `{"epoch", "state"}` with the dataset's own `state_dict()` (datasets >= 2.18).
 Reaching the end of the data starts the next epoch. Nothing here tokenises
 (`lwm_jax.data.stream` does).
+
+Validation split (`val_fraction`, `data.val_fraction`): a document is held out when
+`lwm_jax.data.corpus.is_held_out(text, val_fraction)` says so, a SHA-256 hash of its own text.
+The text is the identity because it is the one every reader has, whatever the position it
+resumed from (a byte offset, a Parquet row, a stream's state) and whatever the file order:
+the split is identical across runs, hosts and resumes, and a document repeated in the data (or
+in two sources of a mixture) is always on one side, never on both. `read` skips held-out
+documents (training), `held_out_documents` yields only them (validation), in a fixed order:
+files sorted by path, a `datasets` stream in its own order, independent of the seed. For a
+stream that means reading it from the start until enough held-out text has come by, about
+`1 / val_fraction` times the validation text.
 """
 from __future__ import annotations
 
@@ -33,6 +44,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from lwm_jax.data.corpus import is_held_out
 from lwm_jax.data.permutation import derive_key, permute
 
 TEXT_SUFFIXES = (".jsonl", ".parquet", ".txt")
@@ -47,6 +59,24 @@ def source_kind(spec: str) -> str:
     if os.path.isdir(spec) or os.path.splitext(spec)[1] in TEXT_SUFFIXES:
         return "text"
     return "binidx"
+
+
+def missing_binidx(key: str, missing: str, tokenizer: str) -> str:
+    """The one-line message of a binidx file `missing` (`<prefix>.bin` or `.idx`) that the
+    setting `key` names: how `lwm-jax prepare` makes it and, for training data, the forms that
+    need no preparing (an `hf:` stream, text files, the embedded corpus)."""
+    def cut(text: str, n: int = 240) -> str:       # a user's path may be huge
+        return text if len(text) <= n else text[:n - 3] + "..."
+    prefix = os.path.splitext(missing)[0]
+    head = (f"{cut(missing)} not found (a binidx pair <prefix>.bin + <prefix>.idx); create it "
+            f"with `lwm-jax prepare --input <.jsonl/.parquet/.txt files> --output {cut(prefix)} "
+            f"--tokenizer {cut(tokenizer, 120)}`")
+    if key == "data.val_path":
+        return head + ", or set data.val_path=null to hold out data.val_fraction of the data"
+    tail = ", or data.path=null for the embedded corpus" if key == "data.path" else ""
+    return (f"{head}, or stream the text instead with {key}=hf:<dataset>[:<config>[:<split>]] "
+            f"(e.g. {key}=hf:JeanKaddour/minipile), or give {key} a directory or "
+            f".jsonl/.parquet/.txt file of text{tail}")
 
 
 def text_files(spec: str, key: str = "data.path") -> list[Path]:
@@ -67,8 +97,10 @@ def text_files(spec: str, key: str = "data.path") -> list[Path]:
 class FileDocuments:
     """Documents of text files, epoch after epoch (module docstring: order and positions)."""
 
-    def __init__(self, files: list[Path], *, text_key: str = "text", seed: int = 0):
+    def __init__(self, files: list[Path], *, text_key: str = "text", seed: int = 0,
+                 val_fraction: float = 0.0):
         self.files, self.text_key, self.seed = list(files), text_key, int(seed)
+        self.val_fraction = float(val_fraction)
         self.name = ",".join(str(f) for f in self.files)
 
     def start(self) -> dict[str, int]:
@@ -79,21 +111,41 @@ class FileDocuments:
         return permute(np.arange(n), n, derive_key(self.seed, epoch, 3))
 
     def read(self, pos: dict[str, Any]) -> Iterator[tuple[str, dict[str, int]]]:
-        """Yields `(text, position after it)` from `pos` on, forever (epoch after epoch)."""
+        """Yields `(text, position after it)` of the training documents (those not held out)
+        from `pos` on, forever (epoch after epoch)."""
         epoch, index, offset = int(pos["epoch"]), int(pos["file"]), int(pos["offset"])
         while True:
             order = self.order(epoch)
-            found = False
+            seen = found = False
             for k in range(index, len(order)):
                 path = self.files[int(order[k])]
                 for text, after in _file_documents(path, self.text_key, offset if k == index
                                                    else 0):
-                    found = True
-                    yield text, {"epoch": epoch, "file": k, "offset": after}
+                    seen = True
+                    if not is_held_out(text, self.val_fraction):
+                        found = True
+                        yield text, {"epoch": epoch, "file": k, "offset": after}
             if not found and index == 0 and offset == 0:
-                raise ValueError(f"data: no documents in {self.name[:200]} (field "
-                                 f"{self.text_key!r})")
+                _no_training_documents(self.name, self.text_key, seen, self.val_fraction)
             epoch, index, offset = epoch + 1, 0, 0
+
+    def held_out_documents(self) -> Iterator[str]:
+        """The validation documents, one pass: files in sorted path order (whatever the seed),
+        each file's documents in order."""
+        for path in self.files:
+            for text, _ in _file_documents(path, self.text_key, 0):
+                if is_held_out(text, self.val_fraction):
+                    yield text
+
+
+def _no_training_documents(name: str, text_key: str, seen: bool, val_fraction: float):
+    """The one-line ValueError of a source with no training document: none at all, or every
+    one held out for validation."""
+    if not seen:
+        raise ValueError(f"data: no documents in {name[:200]} (field {text_key!r})")
+    raise ValueError(f"data.val_fraction: every document of {name[:200]} is held out for "
+                     f"validation (val_fraction={val_fraction:g}); lower data.val_fraction or "
+                     "add documents")
 
 
 def _file_documents(path: Path, text_key: str, offset: int) -> Iterator[tuple[str, int]]:
@@ -174,15 +226,18 @@ def _parquet_documents(path: Path, text_key: str, row: int) -> Iterator[tuple[st
 
 class HFDocuments:
     """Examples of a Hugging Face `datasets` dataset, streamed (`load_dataset(..., streaming=
-    True)`): `hf:<name or local dir>[:<config>[:<split>]]`."""
+    True)`): `hf:<name or local dir>[:<config>[:<split>]]`, e.g. `hf:JeanKaddour/minipile`
+    (config: the dataset's default, split: `train`) or `hf:wikitext:wikitext-103-raw-v1`."""
 
-    def __init__(self, spec: str, *, text_key: str = "text", key: str = "data.path"):
+    def __init__(self, spec: str, *, text_key: str = "text", key: str = "data.path",
+                 val_fraction: float = 0.0):
         parts = spec[len(HF_PREFIX):].split(":")
         if not parts[0] or len(parts) > 3:
             raise ValueError(f"{key}: {spec!r} is not hf:<name>[:<config>[:<split>]]")
         self.path, self.config = parts[0], (parts[1] or None) if len(parts) > 1 else None
         self.split = parts[2] if len(parts) > 2 and parts[2] else "train"
         self.text_key, self.name, self.key = text_key, spec, key
+        self.val_fraction = float(val_fraction)
         if importlib.util.find_spec("datasets") is None:
             raise ValueError(f"{key}: {spec} needs the datasets package (pip install datasets)")
 
@@ -192,34 +247,67 @@ class HFDocuments:
             return datasets.load_dataset(self.path, self.config, split=self.split,
                                          streaming=True)
         except Exception as err:          # datasets raises many classes; one line here
-            raise ValueError(f"{self.key}: cannot stream {self.name} "
-                             f"({type(err).__name__}: {str(err)[:200]})") from None
+            raise ValueError(self._open_error(err)) from None
+
+    def _open_error(self, err: Exception) -> str:
+        """One line for a dataset that cannot be opened; an unreachable Hub (offline, no
+        network) names the fix: a local copy read as `hf:<directory>`."""
+        what = f"{type(err).__name__}: {str(err)[:160]}"
+        if isinstance(err, ConnectionError) or "offline" in str(err).lower():
+            return (f"{self.key}: {self.name} cannot be streamed: the Hugging Face Hub is not "
+                    f"reachable from here ({what}); go online, or download a copy where it is "
+                    f"(hf download {self.path} --repo-type dataset --local-dir DIR), bring "
+                    f"DIR here and set {self.key}=hf:DIR")
+        return (f"{self.key}: cannot stream {self.name} ({what}); check the name "
+                "(hf:<dataset>[:<config>[:<split>]]) and the dataset's configs and splits")
+
+    def probe(self) -> None:
+        """Open the stream once (reading no example), so that a name that cannot be reached
+        is refused before training is set up."""
+        self._open()
+
+    def _text(self, example: Any) -> str:
+        text = example.get(self.text_key) if isinstance(example, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(f"{self.name}: an example has no string field "
+                             f"{self.text_key!r}; set data.text_key")
+        return text
 
     def start(self) -> dict[str, Any]:
         return {"epoch": 0, "state": None}
 
     def read(self, pos: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+        """Yields `(text, position after it)` of the training examples (those not held out)
+        from `pos` on, forever (epoch after epoch)."""
         epoch, state = int(pos["epoch"]), pos["state"]
         while True:
-            ds, found = self._open(), False
+            ds, seen, found = self._open(), False, False
             if state is not None:
                 ds.load_state_dict(state)
             for example in ds:
-                text = example.get(self.text_key) if isinstance(example, dict) else None
-                if not isinstance(text, str):
-                    raise ValueError(f"{self.name}: an example has no string field "
-                                     f"{self.text_key!r}; set data.text_key")
-                found = True
-                if text:    # a copy: the dataset keeps updating its own state dict
+                text = self._text(example)
+                seen = seen or bool(text)
+                if text and not is_held_out(text, self.val_fraction):
+                    found = True    # a copy: the dataset keeps updating its own state dict
                     yield text, {"epoch": epoch, "state": copy.deepcopy(ds.state_dict())}
             if not found and state is None:
-                raise ValueError(f"{self.key}: {self.name} has no examples")
+                _no_training_documents(self.name, self.text_key, seen, self.val_fraction)
             epoch, state = epoch + 1, None
+
+    def held_out_documents(self) -> Iterator[str]:
+        """The validation examples, one pass over the stream from its start."""
+        for example in self._open():
+            text = self._text(example)
+            if text and is_held_out(text, self.val_fraction):
+                yield text
 
 
 def open_documents(spec: str, *, text_key: str = "text", seed: int = 0,
-                   key: str = "data.path") -> FileDocuments | HFDocuments:
-    """The document reader of a `text` or `hf` source spec."""
+                   key: str = "data.path", val_fraction: float = 0.0
+                   ) -> FileDocuments | HFDocuments:
+    """The document reader of a `text` or `hf` source spec; `val_fraction` of its documents
+    are held out of `read` for validation (module docstring)."""
     if source_kind(spec) == "hf":
-        return HFDocuments(spec, text_key=text_key, key=key)
-    return FileDocuments(text_files(spec, key), text_key=text_key, seed=seed)
+        return HFDocuments(spec, text_key=text_key, key=key, val_fraction=val_fraction)
+    return FileDocuments(text_files(spec, key), text_key=text_key, seed=seed,
+                         val_fraction=val_fraction)

@@ -4,13 +4,24 @@ Train batches come from a shuffled `WindowSampler` over a binidx file or the emb
 (state = its step, saved in checkpoints), or, for text tokenised on the fly and for weighted
 mixtures (`data.path` naming text, `data.sources`), from a `MixtureSampler` over
 `TokenWindows` / `PermutedWindows` sources (state = its step and every source's position).
-Validation uses a fixed, unshuffled sampler over held-out binidx tokens, so every evaluation
-scores the same windows. Each host reads only its rows of the global batch (`jax.process_index()`),
-and `jax.make_array_from_process_local_data` assembles the global array.
+Validation uses a fixed, unshuffled sampler over held-out tokens, so every evaluation scores
+the same windows: `data.val_path` when given, else `data.val_fraction` of the training data,
+held out by document: the last documents of a binidx file (`split_train_val`), every text or
+`hf:` document whose hash says so (`lwm_jax.data.text_sources`). In a mixture each source holds
+out its own documents and gives its weight's share of the validation tokens; text is read and
+tokenised only up to the `train.eval_batches` batches validation scores.
+
+Each host reads only its rows of the global batch (`jax.process_index()`), and
+`jax.make_array_from_process_local_data` assembles the global array.
+
+`train_data` builds all of it, validation included, before the trainer builds the model, so a
+validation split too small for one batch (`train.batch_size` windows of `train.ctx_len + 1`
+tokens) or an `hf:` dataset that cannot be reached is refused in one line at start-up.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from typing import Any
 
@@ -22,7 +33,7 @@ from lwm_jax.data import BinIdxDataset, WindowSampler, split_train_val, stdlib_c
 from lwm_jax.data.mixture import MixtureSampler
 from lwm_jax.data.permutation import derive_key
 from lwm_jax.data.prepare import read_tokenizer_record
-from lwm_jax.data.stream import PermutedWindows, TokenWindows
+from lwm_jax.data.stream import PermutedWindows, TokenWindows, held_out_tokens
 from lwm_jax.data.text_sources import open_documents, source_kind
 from lwm_jax.tokenizers import ByteTokenizer, WorldTokenizer, get_tokenizer
 from lwm_jax.train.config import DataSection, TrainSection
@@ -36,6 +47,7 @@ class TokenSplits:
     train: np.ndarray
     val: np.ndarray | None
     description: str
+    bounds: np.ndarray | None = None    # document bounds of train + val, when val was cut off
 
 
 def load_splits(d: DataSection, model: Any) -> TokenSplits:
@@ -64,14 +76,16 @@ def load_splits(d: DataSection, model: Any) -> TokenSplits:
         if prefix is not None:
             check_tokenizer_record(key, prefix, d.tokenizer, vocab)
     ds = BinIdxDataset(d.path)
+    bounds = None
     if d.val_path is not None:
         train, val = ds.tokens, BinIdxDataset(d.val_path).tokens
     elif d.val_fraction > 0:
-        train, val = split_train_val(ds.tokens, d.val_fraction, ds.sequence_bounds())
+        bounds = ds.sequence_bounds()
+        train, val = split_train_val(ds.tokens, d.val_fraction, bounds)
     else:
         train, val = ds.tokens, None
     desc = f"{d.path} ({len(train):,} train / {0 if val is None else len(val):,} val tokens)"
-    return TokenSplits(train, val, desc)
+    return TokenSplits(train, val, desc, bounds)
 
 
 @dataclasses.dataclass
@@ -89,7 +103,10 @@ def train_data(d: DataSection, model: Any, t: TrainSection) -> TrainData:
     the key) for data that cannot be read or does not fit the tokenizer or the model."""
     if not d.sources and (d.path is None or source_kind(d.path) == "binidx"):
         splits = load_splits(d, model)
-        val = val_sampler(splits.val, t) if splits.val is not None else None
+        val = None
+        if splits.val is not None:
+            val = val_sampler(splits.val, t, "data.val_path" if d.val_path else
+                              "data.val_fraction", splits.bounds)
         return TrainData(train_sampler(splits.train, t), val, splits.description)
     vocab = _tokenizer_vocab(d.tokenizer)
     if vocab is not None and vocab > model.vocab_size:
@@ -97,13 +114,23 @@ def train_data(d: DataSection, model: Any, t: TrainSection) -> TrainData:
                          f"{d.tokenizer!r} tokenizer's vocabulary ({vocab})")
     specs = list(d.sources) or [d.path]
     keys = [f"data.sources[{i}]" for i in range(len(d.sources))] or ["data.path"]
-    sources, tokenizer = [], None
+    weights = list(d.weights) or [1.0] * len(specs)
+    hold = d.val_fraction if d.val_path is None else 0.0    # val_path replaces the hold-out
+    # validation tokens wanted from each source: its weight's share of eval_batches batches
+    want = t.eval_batches * t.batch_size * t.ctx_len + 1
+    wants = [math.ceil(want * w / sum(weights)) for w in weights]
+    sources, held, tokenizer = [], [], None
     for i, (key, spec) in enumerate(zip(keys, specs)):
         if source_kind(spec) == "binidx":
             check_tokenizer_record(key, spec, d.tokenizer, vocab)
+            ds = BinIdxDataset(spec)
+            tokens, val_tokens = ds.tokens, None
+            if hold > 0:
+                tokens, val_tokens = split_train_val(tokens, hold, ds.sequence_bounds())
+                held.append(np.asarray(val_tokens[:wants[i]], np.int32))
             try:
-                sources.append(PermutedWindows(BinIdxDataset(spec).tokens, t.ctx_len,
-                                               seed=derive_key(t.seed, i, 4), name=spec))
+                sources.append(PermutedWindows(tokens, t.ctx_len, seed=derive_key(t.seed, i, 4),
+                                               name=spec, val_fraction=hold))
             except ValueError as e:
                 raise ValueError(f"{key}: too small: {e}") from None
             continue
@@ -113,19 +140,27 @@ def train_data(d: DataSection, model: Any, t: TrainSection) -> TrainData:
             except (OSError, ValueError, ImportError) as e:
                 raise ValueError(f"data.tokenizer: cannot load {short(d.tokenizer)} to tokenise "
                                  f"{key} ({short(str(e))})") from None
-        docs = open_documents(spec, text_key=d.text_key, seed=t.seed, key=key)
+        docs = open_documents(spec, text_key=d.text_key, seed=t.seed, key=key,
+                              val_fraction=hold)
+        if hold > 0:
+            held.append(held_out_tokens(docs, tokenizer, wants[i]))
+        elif hasattr(docs, "probe"):        # a stream that cannot be reached: refused now
+            docs.probe()
         sources.append(TokenWindows(docs, tokenizer, t.ctx_len))
-    weights = list(d.weights) or [1.0] * len(sources)
     sampler = MixtureSampler(sources, weights, global_batch_size=t.batch_size, seed=t.seed,
                              host_index=jax.process_index(), host_count=jax.process_count())
-    val = None
+    val, validation = None, "no validation: set data.val_fraction > 0 or data.val_path"
     if d.val_path is not None:
         check_tokenizer_record("data.val_path", d.val_path, d.tokenizer, vocab)
-        val = val_sampler(BinIdxDataset(d.val_path).tokens, t)
+        val = val_sampler(BinIdxDataset(d.val_path).tokens, t, "data.val_path")
+        validation = f"validation {d.val_path}"
+    elif hold > 0:
+        val_tokens = np.concatenate(held)
+        val = val_sampler(val_tokens, t, "data.val_fraction")
+        validation = f"validation {len(val_tokens):,} held-out tokens, {hold:g} of the documents"
     mix = ", ".join(f"{short(s)} x{w / sum(weights):.2f}" for s, w in zip(specs, weights))
     desc = (f"{mix} ({'tokenised on the fly by ' + d.tokenizer if tokenizer else 'binidx'}; "
-            + (f"validation {d.val_path})" if val is not None else "no validation: set "
-               "data.val_path)"))
+            f"{validation})")
     return TrainData(sampler, val, desc)
 
 
@@ -188,14 +223,57 @@ def train_sampler(tokens: np.ndarray, t: TrainSection) -> WindowSampler:
         raise ValueError(f"data.path: training split too small: {e}") from None
 
 
-def val_sampler(tokens: np.ndarray, t: TrainSection) -> WindowSampler:
-    """Fixed (unshuffled, offset 0) validation windows; batch i is `batch_at(i)`."""
+def val_sampler(tokens: np.ndarray, t: TrainSection, key: str = "data.val_fraction",
+                bounds: np.ndarray | None = None) -> WindowSampler:
+    """Fixed (unshuffled, offset 0) validation windows; batch i is `batch_at(i)`.
+
+    `key`: the setting the tokens come from (`data.val_fraction` or `data.val_path`), named
+    with the fix when they hold fewer than the `train.batch_size * train.ctx_len + 1` tokens
+    of one batch; `bounds`: the document bounds (token offsets, `sequence_bounds()`) of the
+    binidx tokens the held-out fraction was cut from (None: unknown), to suggest a fraction
+    that suffices."""
+    check_validation_size(len(tokens), t, key, bounds)
     try:
         return WindowSampler(tokens, t.ctx_len, t.batch_size, seed=t.seed, shuffle=False,
                              random_offset=False, host_index=jax.process_index(),
                              host_count=jax.process_count())
     except ValueError as e:
-        raise ValueError(f"data.val_fraction: validation split too small: {e}") from None
+        raise ValueError(f"{key}: validation split too small: {e}") from None
+
+
+def check_validation_size(n_tokens: int, t: TrainSection, key: str = "data.val_fraction",
+                          bounds: np.ndarray | None = None) -> None:
+    """Refuse (one-line ValueError naming `key`, train.batch_size, train.ctx_len and the fix)
+    validation tokens too few for one batch of `train.batch_size` windows of
+    `train.ctx_len + 1` tokens (consecutive windows share a token: B * T + 1 in all)."""
+    need = t.batch_size * t.ctx_len + 1
+    if n_tokens >= need:
+        return
+    if key == "data.val_path":
+        fix = "give a larger data.val_path, or lower train.batch_size or train.ctx_len"
+    else:
+        enough = _enough_fraction(need, bounds)
+        enough = f" (to {enough:g} or more)" if enough else ""
+        fix = (f"raise data.val_fraction{enough}, lower train.batch_size or train.ctx_len, "
+               "give data.val_path, or set data.val_fraction=0 to train without validation")
+    raise ValueError(f"{key}: validation split too small: it holds {n_tokens:,} tokens, fewer "
+                     f"than the train.batch_size * train.ctx_len + 1 = {t.batch_size} * "
+                     f"{t.ctx_len} + 1 = {need:,} of one validation batch; {fix}")
+
+
+def _enough_fraction(need: int, bounds: np.ndarray | None) -> float | None:
+    """The smallest `data.val_fraction` (rounded up to 3 decimals, below 0.5) whose split, cut
+    at the document bound `split_train_val` moves it to, holds `need` tokens; None when no
+    such fraction exists or `bounds` is None. A fraction of at least `(total - b) / total`
+    for the last bound b leaving `need` tokens puts the cut at b or before it."""
+    if bounds is None or len(bounds) < 2:
+        return None
+    total = int(bounds[-1])
+    cuts = bounds[(bounds > 0) & (bounds <= total - need)]
+    if total <= 0 or not cuts.size:
+        return None
+    fraction = math.ceil(1000 * (total - int(cuts.max())) / total) / 1000
+    return fraction if fraction < 0.5 else None
 
 
 def to_global(local_BT1: np.ndarray, sharding: NamedSharding, global_batch: int,

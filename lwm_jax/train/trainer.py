@@ -1,8 +1,9 @@
 """`train(cfg)`: the whole training run, top to bottom.
 
-config -> mesh -> abstract model (shapes + logical axes) -> optimizer -> shardings ->
-restore-if-present (else initialise on the mesh) -> data -> loop (jitted step, metrics,
-validation, checkpoints, stop signals) -> final checkpoint + loss-curve plot.
+config -> data (refused before anything is built) -> mesh -> abstract model (shapes +
+logical axes) -> optimizer -> shardings -> restore-if-present (else initialise on the mesh) ->
+loop (jitted step, metrics, validation, checkpoints, stop signals) -> final checkpoint +
+loss-curve plot.
 
 Run directory (`run_dir`, default `runs/<name>`): `config.yaml` (the resolved config),
 `checkpoints/<step>/`, the trackers' files (`logging.trackers`: `metrics.jsonl`, `tb/`
@@ -200,6 +201,9 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
                    f"at step {latest} of {t.steps}); nothing to do. Raise train.steps to train "
                    "further, or choose a new run_dir")
         return TrainResult(run_dir, latest, None, None, "complete")
+    # Data first: a source that cannot be read or a validation split too small for one batch
+    # is refused before the model is built and compiled (minutes for a large model).
+    data = batches.train_data(cfg.data, cfg.model, t)
     if primary:
         fd = open_no_follow(os.path.join(run_dir, "config.yaml"),
                             os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
@@ -230,8 +234,6 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     else:
         state, data_state = ckpt.restore(latest, abstract_with_shardings(abstract_state, state_sh))
 
-    # Data.
-    data = batches.train_data(cfg.data, cfg.model, t)
     sampler, val = data.sampler, data.val
     if data_state is not None:
         sampler.load_state_dict(data_state)

@@ -189,3 +189,154 @@ def test_huge_weights_keep_their_ratio_and_a_vanishing_one_is_refused():
                                   np.cumsum([3.0, 1.0]) / 4.0)      # as before: same draws
     with pytest.raises(ValueError, match=r"data.weights: .* would never be drawn"):
         _cumulative_shares([1e300, 1e-300])
+
+
+def one_epoch(docs):
+    """The training documents of `docs` (a reader), one epoch from the start."""
+    out = []
+    for text, pos in docs.read(docs.start()):
+        if pos["epoch"] > 0:
+            break
+        out.append(text)
+    return out
+
+
+def write_many(root, n=300):
+    """`root/` with 3 .jsonl files, a .parquet file and 4 .txt files: `n` + 4 documents of
+    distinct text; returns them."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+    root.mkdir(parents=True, exist_ok=True)
+    docs = [f"document {i}: " + "abc" * (i % 7) for i in range(n)]
+    third = n // 3
+    for f in range(2):
+        lines = [json.dumps({"text": t}) for t in docs[f * third:(f + 1) * third]]
+        (root / f"part-{f}.jsonl").write_text("\n".join(lines) + "\n")
+    pq.write_table(pa.table({"text": docs[2 * third:]}), root / "rest.parquet",
+                   row_group_size=17)
+    for k in range(4):
+        (root / f"note-{k}.txt").write_text(f"a whole file, number {k}")
+        docs.append(f"a whole file, number {k}")
+    return docs
+
+
+def test_val_fraction_holds_out_a_fixed_disjoint_share_of_text_documents(tmp_path):
+    """`data.val_fraction` was ignored for text: every document trained. Now about that
+    share of the documents is held out, disjoint from training, by a hash of the text: the
+    same split for every reader, seed and resume; 0 holds out nothing."""
+    docs = write_many(tmp_path / "c")
+    reader = open_documents(str(tmp_path / "c"), seed=1, val_fraction=0.2)
+    train, val = one_epoch(reader), list(reader.held_out_documents())
+    assert not set(train) & set(val)
+    assert sorted(train + val) == sorted(docs)                 # nothing lost, nothing twice
+    assert 0.12 < len(val) / len(docs) < 0.28
+    # the same split from another reader, another seed (another file order), another epoch
+    other = open_documents(str(tmp_path / "c"), seed=9, val_fraction=0.2)
+    assert list(other.held_out_documents()) == val
+    assert sorted(one_epoch(other)) == sorted(train)
+    nothing = open_documents(str(tmp_path / "c"), seed=1, val_fraction=0.0)
+    assert list(nothing.held_out_documents()) == []
+    assert sorted(one_epoch(nothing)) == sorted(docs)
+    # a resumed TokenWindows reads on through training documents only
+    byte = get_tokenizer("byte")
+    make = lambda: TokenWindows(open_documents(str(tmp_path / "c"), seed=1,  # noqa: E731
+                                               val_fraction=0.2), byte, T)
+    full = windows(make(), 120)
+    first = make()
+    head = windows(first, 50)
+    state = json.loads(json.dumps(first.state_dict()))
+    assert state["val_fraction"] == 0.2
+    second = make()
+    second.load_state_dict(state)
+    np.testing.assert_array_equal(np.concatenate([head, windows(second, 70)]), full)
+    stream = bytes(np.concatenate([full[0], *[w[1:] for w in full[1:]]]).astype(np.uint8))
+    seen = stream.split(b"\0")[1:-1]                          # whole documents only
+    assert len(seen) > 50 and not {s.decode() for s in seen} & set(val)
+
+
+def test_held_out_tokens_are_the_held_out_documents_cut_at_the_cap(tmp_path):
+    from lwm_jax.data.stream import held_out_tokens
+    write_many(tmp_path / "c")
+    reader = open_documents(str(tmp_path / "c"), val_fraction=0.3)
+    byte = get_tokenizer("byte")
+    want = b"".join(t.encode() + b"\0" for t in reader.held_out_documents())
+    every = held_out_tokens(reader, byte, 10**9)
+    assert every.dtype == np.int32 and bytes(every.astype(np.uint8)) == want
+    np.testing.assert_array_equal(held_out_tokens(reader, byte, 100), every[:100])
+    assert len(held_out_tokens(open_documents(str(tmp_path / "c")), byte, 100)) == 0
+
+
+def test_a_resume_with_another_val_fraction_is_refused(tmp_path):
+    """Another fraction trains on other documents: refused in one line naming the key and
+    the fix; a state saved before the fraction was recorded held nothing out."""
+    write_many(tmp_path / "c")
+    byte = get_tokenizer("byte")
+    make = lambda f: TokenWindows(open_documents(str(tmp_path / "c"),  # noqa: E731
+                                                 val_fraction=f), byte, T)
+    saved = make(0.1)
+    windows(saved, 3)
+    state = saved.state_dict()
+    with pytest.raises(ValueError, match=r"^data.val_fraction: the checkpoint's data of .* held "
+                                         r"out 0.1 of its documents for validation, this run "
+                                         r"0.05 .*resume with data.val_fraction=0.1 or"):
+        make(0.05).load_state_dict(state)
+    old = {k: v for k, v in make(0.0).state_dict().items() if k != "val_fraction"}
+    make(0.0).load_state_dict(old)
+    with pytest.raises(ValueError, match=r"^data.val_fraction: .* held out 0 of"):
+        make(0.05).load_state_dict(old)
+    tokens = np.arange(1000) % 200
+    binidx = PermutedWindows(tokens, T, name="b", val_fraction=0.1)
+    with pytest.raises(ValueError, match=r"^data.val_fraction: the checkpoint's data of b held "
+                                         r"out 0.1"):
+        PermutedWindows(tokens, T, name="b", val_fraction=0.2).load_state_dict(
+            binidx.state_dict())
+
+
+def test_every_document_held_out_is_one_line(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.txt").write_text("the only document")
+    docs = open_documents(str(tmp_path / "d"), val_fraction=0.999999)
+    assert list(docs.held_out_documents()) == ["the only document"]
+    with pytest.raises(ValueError, match=r"^data.val_fraction: every document of .*a.txt is "
+                                         r"held out for validation .*lower data.val_fraction"):
+        next(docs.read(docs.start()))
+
+
+def test_hf_stream_holds_out_by_the_same_hash(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")               # a local directory: no network
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    pytest.importorskip("datasets")
+    (tmp_path / "hub").mkdir()
+    texts = [f"example {i} " * (1 + i % 5) for i in range(120)]
+    (tmp_path / "hub" / "data.jsonl").write_text(
+        "".join(json.dumps({"text": t}) + "\n" for t in texts))
+    spec = f"hf:{tmp_path / 'hub'}"
+    reader = open_documents(spec, val_fraction=0.25)
+    train, val = one_epoch(reader), list(reader.held_out_documents())
+    assert not set(train) & set(val) and sorted(train + val) == sorted(texts)
+    assert 0.12 < len(val) / len(texts) < 0.38
+    files = open_documents(str(tmp_path / "hub"), val_fraction=0.25)     # same text: same split
+    assert list(files.held_out_documents()) == val
+    assert one_epoch(open_documents(spec)) == texts                       # 0: all of it
+
+
+def test_an_unreachable_hf_dataset_is_one_line_naming_the_fix(monkeypatch):
+    """Offline, `hf:JeanKaddour/minipile` failed with datasets' own message only; it now names
+    data.path and a copy to read as hf:<directory>."""
+    datasets = pytest.importorskip("datasets")
+    from lwm_jax.data.text_sources import HFDocuments
+
+    def unreachable(path, *args, **kwargs):           # what datasets raises offline
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    docs = HFDocuments("hf:JeanKaddour/minipile", key="data.sources[1]")
+    assert (docs.path, docs.config, docs.split) == ("JeanKaddour/minipile", None, "train")
+    with pytest.raises(ValueError) as info:
+        docs.probe()
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("data.sources[1]: hf:JeanKaddour/minipile cannot be streamed: the "
+                          "Hugging Face Hub is not reachable from here (ConnectionError: ")
+    assert msg.endswith("(hf download JeanKaddour/minipile --repo-type dataset --local-dir DIR), "
+                        "bring DIR here and set data.sources[1]=hf:DIR")
+    assert HFDocuments("hf:wikitext:wikitext-2-raw-v1:test").split == "test"

@@ -49,3 +49,92 @@ def test_a_text_mixture_trains_and_resumes_exactly(tmp_path):
                                                   "train.steps=8", data[2],
                                                   f"run_dir={tmp_path / 'split'}"]),
               progress=False)
+
+
+def test_text_validation_is_held_out_documents_only(tmp_path):
+    """`data.val_fraction` was ignored for text (no validation at all); now validation scores
+    held-out documents that training never reads, each mixture source giving its share."""
+    from lwm_jax.data.text_sources import open_documents
+    from lwm_jax.train.batches import train_data
+    texts = write_corpus(tmp_path / "corpus", n_files=6, docs_per_file=30)
+    prefix = str(tmp_path / "bin")
+    write_binidx(prefix, [np.full(40, 200 + i) for i in range(20)], np.uint16, append_eod=True)
+    cfg = load_config(None, RUN + [f"data.path={tmp_path / 'corpus'}", "data.val_fraction=0.2",
+                                   "data.tokenizer=byte", "train.eval_batches=2"])
+    data = train_data(cfg.data, cfg.model, cfg.train)
+    assert "held-out tokens, 0.2 of the documents" in data.description
+    held = set(open_documents(str(tmp_path / "corpus"), val_fraction=0.2).held_out_documents())
+    every = {t for docs in texts.values() for t in docs}
+    assert held and held < every
+    rows = np.concatenate([data.val.batch_at(i) for i in range(data.val.steps_per_epoch)])
+    stream = bytes(np.concatenate([rows[0], *[r[1:] for r in rows[1:]]]).astype(np.uint8))
+    scored = [p.decode() for p in stream.split(b"\0")[1:-1]]
+    assert scored and set(scored) <= held                     # validation: held out only
+    rows = np.concatenate([next(data.sampler) for _ in range(40)])
+    trained = {p.decode() for r in rows for p in bytes(r.astype(np.uint8)).split(b"\0")[1:-1]}
+    assert trained and not trained & held                     # training: never held out
+    assert data.val.tokens.size == cfg.train.eval_batches * 4 * 32 + 1   # read up to the cap
+
+    mix = load_config(None, RUN + [f"data.sources=[{tmp_path / 'corpus'}, {prefix}]",
+                                   "data.weights=[3.0, 1.0]", "data.val_fraction=0.2",
+                                   "train.eval_batches=2"])
+    data = train_data(mix.data, mix.model, mix.train)
+    val = np.asarray(data.val.tokens)
+    from_bin = int(np.sum(val >= 200))                         # the binidx's last documents
+    assert 0 < from_bin <= np.ceil(len(val) / 4) and set(val[val >= 200]) <= {216, 217, 218, 219}
+
+
+def test_a_validation_split_too_small_is_refused_before_the_model_is_built(tmp_path,
+                                                                           monkeypatch, capsys):
+    """It was refused only after the model was built and the step compiled (~50 s on a GPU);
+    now first, in one line naming the keys and the fix."""
+    import lwm_jax.train.trainer as trainer
+    from lwm_jax.cli import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was built before the data was checked")
+    monkeypatch.setattr(trainer, "build_program", no_model)
+    write_corpus(tmp_path / "corpus")
+    prefix = str(tmp_path / "bin")
+    write_binidx(prefix, [np.full(100, 7) for _ in range(20)], np.uint16, append_eod=True)
+    small = ["train.batch_size=4", "train.ctx_len=32", "data.val_fraction=0.02"]
+    for data in (f"data.path={tmp_path / 'corpus'}", f"data.path={prefix}"):
+        cfg = load_config(None, RUN + [data, *small, f"run_dir={tmp_path / 'run'}"])
+        with pytest.raises(ValueError, match=r"^data.val_fraction: validation split too small: "
+                                             r"it holds \d+ tokens, fewer than the "
+                                             r"train.batch_size \* train.ctx_len \+ 1 = 4 \* 32 "
+                                             r"\+ 1 = 129 of one validation batch; raise "
+                                             r"data.val_fraction"):
+            train(cfg, progress=False)
+    # binidx: 20 documents of 101 tokens; 129 tokens need the last 2 documents, 0.1 of them
+    assert "raise data.val_fraction (to 0.1 or more), lower" in str(pytest.raises(
+        ValueError, train, cfg, progress=False).value)
+    from lwm_jax.train.batches import train_data
+    enough = load_config(None, RUN + [f"data.path={prefix}", *small, "data.val_fraction=0.1"])
+    assert train_data(enough.data, enough.model, enough.train).val.steps_per_epoch == 1
+    assert main(["train", *RUN, f"data.path={prefix}", *small,
+                 f"run_dir={tmp_path / 'cli'}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("lwm-jax train: error: data.val_fraction: validation split too small")
+    assert not os.path.exists(tmp_path / "cli" / "config.yaml")
+
+
+def test_an_unreachable_hf_dataset_is_refused_before_the_model_is_built(tmp_path, monkeypatch,
+                                                                        capsys):
+    datasets = pytest.importorskip("datasets")
+    import lwm_jax.train.trainer as trainer
+    from lwm_jax.cli import main
+
+    def unreachable(path, *args, **kwargs):
+        raise ConnectionError(f"Couldn't reach '{path}' on the Hub (OfflineModeIsEnabled)")
+    monkeypatch.setattr(datasets, "load_dataset", unreachable)
+    monkeypatch.setattr(trainer, "build_program", lambda *a, **k: pytest.fail("model built"))
+    for val_fraction in ("0.05", "0"):          # the held-out read, or the probe
+        assert main(["train", *RUN, "data.path=hf:JeanKaddour/minipile", "data.tokenizer=byte",
+                     f"data.val_fraction={val_fraction}", f"run_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1
+        assert err.startswith("lwm-jax train: error: data.path: hf:JeanKaddour/minipile cannot "
+                              "be streamed: the Hugging Face Hub is not reachable")
+        assert "set data.path=hf:DIR" in err
