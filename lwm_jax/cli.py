@@ -50,7 +50,8 @@ def train_main(args: argparse.Namespace) -> int:
     checkpoint); raises ValueError (one line) for bad input."""
     from lwm_jax.train.config import load_config
 
-    cfg = load_config(args.config, args.overrides)
+    # --print-config shows the resolved config only: the data need not exist yet
+    cfg = load_config(args.config, args.overrides, data_files=not args.print_config)
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0

@@ -103,8 +103,10 @@ class DataSection:
       `path`'s documents.
     tokenizer: "byte", "world[:vocab_path]" or "hf:path/to/tokenizer.json"; it must match the
       tokenizer the binidx was written with (only its vocabulary size is used in training).
-    val_fraction: fraction of documents held out for validation when `val_path` is null (binidx
-      `path` only; text sources take their validation from `val_path`).
+    val_fraction: fraction of the documents held out for validation when `val_path` is null
+      (0 = no validation): a binidx `path` gives its last documents; text and `hf:` sources
+      each document whose text hashes below the fraction (`lwm_jax.data.text_sources`: the
+      same split in every run and resume); in a mixture every source holds out its own.
     sources / weights: a weighted mixture instead of `path`: any of the `path` forms above, and
       one positive weight each (empty = equal weights); each batch row picks a source by a
       seeded draw (`lwm_jax.data.mixture`).
@@ -360,7 +362,7 @@ def _check_values(cfg: RunConfig, data_files: bool = True) -> None:
 
 
 def _check_data_sources(d: DataSection, files: bool = True) -> None:
-    from lwm_jax.data.text_sources import source_kind
+    from lwm_jax.data.text_sources import missing_binidx, source_kind
     if d.sources and d.path is not None:
         _fail("data.sources", "set data.path or data.sources, not both (data.path=null)")
     if d.weights and len(d.weights) != len(d.sources):
@@ -380,10 +382,7 @@ def _check_data_sources(d: DataSection, files: bool = True) -> None:
         if kind == "binidx":
             for ext in (".bin", ".idx"):
                 if not os.path.isfile(binidx_prefix(spec) + ext):
-                    _fail(key, f"{_key(binidx_prefix(spec) + ext, 240)} not found; give the "
-                               "prefix of a binidx pair (<prefix>.bin + <prefix>.idx), a "
-                               "directory or .jsonl/.parquet/.txt file of text, hf:<dataset>, "
-                               "or null for the embedded corpus")
+                    _fail(key, missing_binidx(key, binidx_prefix(spec) + ext, d.tokenizer))
     if d.val_path is not None and d.path is None and not d.sources:
         _fail("data.val_path", "needs data.path too (the embedded corpus has its own split)")
 

@@ -144,10 +144,17 @@ def test_run_name_defaults_to_file_stem(tmp_path):
                         "train.min_lr too"),
     (["train.batch_size=6", "train.grad_accum=4"],
      "train.batch_size: 6 is not divisible by train.grad_accum=4"),
-    (["data.path=/no/such/data"], "data.path: /no/such/data.bin not found; give the prefix of "
-                                  "a binidx pair (<prefix>.bin + <prefix>.idx), a directory or "
-                                  ".jsonl/.parquet/.txt file of text, hf:<dataset>, or null for "
-                                  "the embedded corpus"),
+    (["data.path=/no/such/data"], "data.path: /no/such/data.bin not found (a binidx pair "
+                                  "<prefix>.bin + <prefix>.idx); create it with `lwm-jax prepare "
+                                  "--input <.jsonl/.parquet/.txt files> --output /no/such/data "
+                                  "--tokenizer byte`, or stream the text instead with "
+                                  "data.path=hf:<dataset>[:<config>[:<split>]] (e.g. "
+                                  "data.path=hf:JeanKaddour/minipile), or give data.path a "
+                                  "directory or .jsonl/.parquet/.txt file of text, or "
+                                  "data.path=null for the embedded corpus"),
+    (["data.path=hf:some/dataset", "data.val_path=/no/val"],
+     "data.val_path: /no/val.bin not found (a binidx pair <prefix>.bin + <prefix>.idx); create "
+     "it with `lwm-jax prepare --input <.jsonl/.parquet/.txt files> --output /no/val "),
     (["data.path=/no/such/corpus.jsonl"], "data.path: /no/such/corpus.jsonl not found; give a "
                                           "directory or a .jsonl, .parquet or .txt file"),
     (["data.sources=[hf:a, hf:b]", "data.weights=[1.0]"],
@@ -220,6 +227,49 @@ def test_cli_print_config(capsys, tmp_path):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["model"]["n_layer"] == 3 and printed["run_dir"] == str(tmp_path)
     assert build_config(printed) == load_config(None, ["model.n_layer=3", f"run_dir={tmp_path}"])
+
+
+README_EXAMPLE = ["--config", os.path.join(REPO, "configs", "rwkv7-0.1b.yaml"), "train.lr=3e-4",
+                  "precision=bf16-mixed"]
+
+
+def test_print_config_of_the_readme_example_needs_no_data(capsys, tmp_path, monkeypatch):
+    """README's first example, with --print-config, printed `data/minipile.bin not found`
+    instead of the config: printing never needs the data."""
+    monkeypatch.chdir(tmp_path)                     # data/minipile.* cannot exist here
+    assert main(["train", *README_EXAMPLE, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["path"] == "data/minipile" and printed["train"]["lr"] == 3e-4
+    assert printed["precision"] == "bf16-mixed"
+
+
+def test_missing_training_data_says_how_to_get_it(capsys, tmp_path, monkeypatch):
+    """Without --print-config the missing data is one line naming data.path, the `lwm-jax
+    prepare` command that makes it and the `hf:` stream that needs none."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", *README_EXAMPLE]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith("lwm-jax train: error: data.path: data/minipile.bin not found")
+    assert ("`lwm-jax prepare --input <.jsonl/.parquet/.txt files> --output data/minipile "
+            "--tokenizer world`") in err
+    assert "data.path=hf:JeanKaddour/minipile" in err
+
+
+@pytest.mark.parametrize("name", ["rwkv7-0.1b.yaml", "llama-0.1b.yaml"])
+def test_the_configs_streaming_alternative_loads(name):
+    """The `data.path=hf:...` override the config's header comment shows is a valid `hf:`
+    source for that config (no data file needed)."""
+    from lwm_jax.data.text_sources import HFDocuments, source_kind
+    path = os.path.join(REPO, "configs", name)
+    shown = [w for line in open(path, encoding="utf-8") if line.startswith("#")
+             for w in line.split() if w.startswith("data.path=hf:")]
+    assert shown == ["data.path=hf:JeanKaddour/minipile"]
+    cfg = load_config(path, shown)
+    assert source_kind(cfg.data.path) == "hf"
+    pytest.importorskip("datasets")
+    docs = HFDocuments(cfg.data.path)
+    assert (docs.path, docs.config, docs.split) == ("JeanKaddour/minipile", None, "train")
 
 
 def test_cli_prepare_feeds_train_config(tmp_path, capsys):
