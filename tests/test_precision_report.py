@@ -121,10 +121,107 @@ def test_cli_report_on_the_tiny_config(tmp_path, capsys):
     assert len([r for r in doc["rows"] if r["layer"] is not None]) == 4 * 5     # tiny: L = 4
     assert all(math.isfinite(r["local_rel"]) for r in doc["rows"])
     assert (out / "heatmap.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # No checkpoint: the initialisation, warmed, and every output says so. At RWKV-7's init
+    # ffn.value and att.output are 0, and a fresh model's FFN rows read exactly 0 (bf16 "exact").
+    source = doc["model_source"]
+    assert source.startswith("warmed initialisation of the built-in tiny config (seed 0)")
+    assert f"model studied: {source}" in text
+    assert {"blocks/ffn/value", "blocks/att/output", "emb"} <= set(doc["warmed"])
+    for r in doc["rows"]:
+        if r["subop"] in ("ffn", "wkv", "ln_x"):
+            assert 1e-4 < r["local_rel"] < 2e-2, r                   # bf16 storage's cost
+
+
+def test_warming_gives_degenerate_parameters_trained_like_values():
+    """`warm_params`: only zero / constant parameters (and RWKV-7's near-zero embedding) change,
+    at their documented scales, the same for one seed; it is what makes the FFN measurable."""
+    from lwm_jax.diagnostics.warm import warm_params
+    fresh = lambda: RWKV7(CFG, "fp32", runtime=Runtime(wkv_impl="recurrent"),  # noqa: E731
+                          rngs=nnx.Rngs(0))
+    flat = lambda m: {"/".join(str(getattr(k, "key", k)) for k in p): np.asarray(v)  # noqa
+                      for p, v in jax.tree_util.tree_flatten_with_path(
+                          nnx.to_pure_dict(nnx.state(m, nnx.Param)))[0]}
+    before = precision_report(fresh(), TOKENS, "bf16-mixed", shadow=None)
+    assert all(r.local_rel == 0.0 for r in _rows(before, "ffn"))    # the misleading "exact"
+
+    a, b, c = fresh(), fresh(), fresh()
+    init = flat(a)
+    warmed = warm_params(a, seed=0)
+    assert warmed == warm_params(b, seed=0) and warm_params(c, seed=1) == warmed
+    after, again, other = flat(a), flat(b), flat(c)
+    assert set(warmed) == {"emb", "ln0/bias", "ln0/weight", "ln_out/bias", "ln_out/weight"} | {
+        f"blocks/{n}" for n in ("att/a1", "att/g1", "att/k_a", "att/ln_x/bias", "att/ln_x/weight",
+                                "att/output", "att/r_k", "att/v1", "att/w1", "ffn/value",
+                                "ln1/bias", "ln1/weight", "ln2/bias", "ln2/weight")}
+    for name, value in init.items():
+        assert np.array_equal(after[name], again[name]), name          # one seed, one model
+        assert (name in warmed) != np.array_equal(after[name], value), name
+        if name in warmed:
+            assert not np.array_equal(after[name], other[name]), name
+    C, F = CFG.n_embd, CFG.resolved().ffn_dim
+    assert abs(np.std(after["blocks/ffn/value"]) * math.sqrt(F) - 1) < 0.1      # N(0, 1/in)
+    assert abs(np.std(after["blocks/att/output"]) * math.sqrt(C) - 1) < 0.1
+    assert abs(np.std(after["emb"]) - 1) < 0.1                                   # N(0, 1)
+    projections = ("att/a1", "att/g1", "att/v1", "att/w1", "att/output", "ffn/value")
+    vectors = [n for n in warmed if n != "emb" and not n.endswith(projections)]
+    noise = np.concatenate([(after[n] - init[n]).ravel() for n in vectors])     # N(0, 0.1²)
+    assert noise.size > 500 and abs(np.std(noise) - 0.1) < 0.01 and abs(np.mean(noise)) < 0.01
+
+    report = precision_report(a, TOKENS, "bf16-mixed", shadow=None, model_source="warmed",
+                              warmed=warmed)
+    assert all(1e-4 < r.local_rel < 2e-2 for r in _rows(report, "ffn")), report.rows
+    assert report.to_dict()["warmed"] == list(warmed)
+
+
+def test_prepare_model_names_the_model_studied():
+    """The source string of each case; only a non-checkpoint model without --no-warm changes."""
+    import argparse
+
+    from lwm_jax.diagnostics.report_cli import prepare_model
+    args = lambda **kw: argparse.Namespace(**{  # noqa: E731
+        "checkpoint": None, "format": None, "config": None, "overrides": [], "no_warm": False,
+        "seed": 3, **kw})
+    model = RWKV7(CFG, "fp32", rngs=nnx.Rngs(0))
+    value = np.asarray(model.blocks.ffn.value[...])
+    assert prepare_model(model, args(checkpoint="runs/tiny", format="run")) == (
+        "checkpoint runs/tiny (run)", ())
+    assert prepare_model(model, args(checkpoint="runs/tiny"), "checkpoint runs/tiny step 7") \
+        == ("checkpoint runs/tiny step 7", ())
+    source, warmed = prepare_model(model, args(config="a.yaml", overrides=["model.n_layer=2"],
+                                               no_warm=True))
+    assert source.startswith("fresh initialisation of config a.yaml with model.n_layer=2, not "
+                             "warmed") and warmed == ()
+    assert np.array_equal(np.asarray(model.blocks.ffn.value[...]), value)
+    source, warmed = prepare_model(model, args())
+    assert source.startswith("warmed initialisation of the built-in tiny config (seed 3): "
+                             f"{len(warmed)} zero- or constant-initialised parameters")
+    assert "blocks/ffn/value" in warmed and np.all(np.asarray(model.blocks.ffn.value[...]) != 0)
+
+
+def test_cli_studies_a_checkpoint_as_loaded(tmp_path, capsys):
+    """With --checkpoint the report names it and changes nothing: a checkpoint of a fresh
+    initialisation keeps its zero FFN (its rows read exactly 0), no parameter is warmed."""
+    from lwm_jax.interop.api import export
+    model = RWKV7(CFG, "fp32", rngs=nnx.Rngs(0))
+    ckpt = str(export(model, tmp_path / "hf", format="hf", tokenizer=None))
+    out = tmp_path / "report"
+    status = main(["precision-report", "--checkpoint", ckpt, "--seq-len", "8", "--batch-size",
+                   "1", "--shadow", "none", "--output", str(out)])
+    assert status == 0
+    text = capsys.readouterr().out
+    doc = json.loads((out / "report.json").read_text())
+    assert doc["model_source"] == f"checkpoint {ckpt}" and doc["warmed"] == []
+    assert f"model studied: checkpoint {ckpt}" in text
+    assert [r["local_rel"] for r in doc["rows"] if r["subop"] == "ffn"] == [0.0] * CFG.n_layer
 
 
 @pytest.mark.parametrize("argv,needle", [
     (["--seq-len", "0"], "--seq-len"),
+    (["--seed", "-1"], "--seed: must be an integer in [0, 2**63), got -1"),
+    (["--seed", str(2**63)], "--seed: must be an integer in [0, 2**63)"),
+    (["--output", ""], "--output: empty path"),
+    (["--format", "hf"], "--format hf: names a checkpoint's format"),
+    (["--checkpoint", "nowhere", "--no-warm"], "--no-warm: a checkpoint is studied as loaded"),
     (["--batch-size", "512", "--seq-len", "512"], "--batch-size x --seq-len"),
     (["--checkpoint", "nowhere", "model.n_layer=2"], "overrides apply to --config"),
     (["model.n_layr=2"], "model.n_layr"),

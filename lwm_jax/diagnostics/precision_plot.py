@@ -5,12 +5,15 @@ Three panels, log10 of the relative error: local error per layer x sub-op, end-t
 against the shadow per layer x sub-op, and the gradient's error per layer x parameter group.
 Ops outside the layers (logits, loss, RoPE table, ...) and parameters outside the blocks
 (embedding, head) sit in an extra row named `model`. Blank: not measured; a non-finite error is
-drawn at the top of the colour scale and marked `inf`.
+drawn at the top of the colour scale and marked `inf`. A panel with no measured value (the
+end-to-end and gradient panels of a report without a shadow) is left out. The title names the
+model studied (`Report.model_source`).
 """
 from __future__ import annotations
 
 import math
 import os
+import textwrap
 
 import numpy as np
 
@@ -39,7 +42,9 @@ def _grid(items, layers: int):
 
 
 def plot_heatmap(report: Report, path: str | os.PathLike, title: str | None = None) -> str:
-    """Write the three-panel heat map of `report` to `path` (PNG); returns the path."""
+    """Write the three-panel heat map of `report` to `path` (PNG); returns the path. The default
+    title names the model, policies, batch, worst offender and `report.model_source` (a map
+    of a fresh initialisation reads very differently from a trained model's)."""
     from matplotlib.figure import Figure
 
     L = report.layers
@@ -51,7 +56,8 @@ def plot_heatmap(report: Report, path: str | os.PathLike, title: str | None = No
         (f"gradient vs {report.shadow} shadow (log10)",
          [(g.layer, g.group, g.rel) for g in report.grads]),
     ]
-    panels = [(name, items) for name, items in panels if items]
+    panels = [(name, items) for name, items in panels           # shadow none: no e2e panel
+              if any(value is not None for _, _, value in items)]
     grids = [_grid(items, L) for _, items in panels]
     finite = [g[0][np.isfinite(g[0])] for g in grids]
     top = max((float(v.max()) for v in finite if v.size), default=0.0)
@@ -73,8 +79,9 @@ def plot_heatmap(report: Report, path: str | os.PathLike, title: str | None = No
         fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="log10 relative error")
     worst = report.worst
     where = worst.subop if worst.layer is None else f"layer {worst.layer} {worst.subop}"
+    source = textwrap.fill(f"model studied: {report.model_source}", 80 * len(panels))
     fig.suptitle(title or (f"{report.family} {report.model} | policy {report.policy} vs "
-                           f"{report.shadow} | batch {report.batch} | worst: {where}"),
-                 fontsize=8)
+                           f"{report.shadow} | batch {report.batch} | worst: {where}\n"
+                           f"{source}"), fontsize=8, y=1.0, va="bottom")   # above the panels
     fig.savefig(path, dpi=110, bbox_inches="tight")
     return os.fspath(path)

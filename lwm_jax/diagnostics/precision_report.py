@@ -116,7 +116,9 @@ class Worst:
 
 @dataclasses.dataclass(frozen=True)
 class Report:
-    """Everything `precision_report` measured (see the module docstring)."""
+    """Everything `precision_report` measured (see the module docstring). `model_source` says
+    which model was studied (a checkpoint, a warmed or a fresh initialisation); `warmed` names
+    the parameters `lwm_jax.diagnostics.warm` gave random values, if any."""
 
     family: str
     model: str
@@ -129,6 +131,8 @@ class Report:
     loss: float
     shadow_loss: float | None
     platform: str = "cpu"
+    model_source: str = "the model given"
+    warmed: tuple[str, ...] = ()
 
     @property
     def layers(self) -> int:
@@ -202,7 +206,8 @@ def _f64_tree(tree):
 # ------------------------------------------------------------------------------- report
 def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
                      shadow: Policy | str | None = "fp32", gradients: bool = True,
-                     batch_info: dict | None = None, platform: str | None = None) -> Report:
+                     batch_info: dict | None = None, platform: str | None = None,
+                     model_source: str | None = None, warmed: tuple[str, ...] = ()) -> Report:
     """Measure `policy` against float64 formulas and a `shadow` policy on one batch.
 
     Args:
@@ -217,6 +222,7 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
       batch_info: recorded as is in the report (data source, seed, ...).
       platform: the backend whose product rounding the floors model (`cpu`, `gpu`, `tpu`;
         default: the backend the runs use, `jax.default_backend()`).
+      model_source, warmed: recorded as is (which model this is; `Report.model_source`).
     Returns:
       a `Report`.
     """
@@ -242,7 +248,8 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
     return Report(family.name, _describe(model.cfg), policy.name,
                   "none" if shadow is None else shadow.name, info, rows, grads,
                   pick_worst(rows, policy, family, platform), float(np.mean(run.loss_BT)),
-                  None if ref is None else float(np.mean(ref.loss_BT)), platform)
+                  None if ref is None else float(np.mean(ref.loss_BT)), platform,
+                  model_source or Report.model_source, tuple(warmed))
 
 
 def _describe(cfg) -> str:
@@ -353,6 +360,7 @@ def format_table(report: Report) -> str:
     """The report as a fixed-width text table (sub-ops, then gradients, then the verdict)."""
     lines = [f"precision report: {report.family} {report.model}; policy {report.policy} vs "
              f"shadow {report.shadow} on {report.platform}; batch {report.batch}",
+             f"model studied: {report.model_source}",
              f"loss {report.loss:.6f} (shadow "
              f"{'-' if report.shadow_loss is None else f'{report.shadow_loss:.6f}'})", "",
              f"{'layer':>5} {'sub-op':<10} {'local rel':>10} {'floor':>9} {'excess':>8} "

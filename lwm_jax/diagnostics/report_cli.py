@@ -1,9 +1,15 @@
-"""`lwm-jax precision-report` once the model exists: choose the batch, run the report, print
-the table and write `report.json` + `heatmap.png`.
+"""`lwm-jax precision-report` once the model exists: choose the batch, warm an initialised
+model, run the report, print the table and write `report.json` + `heatmap.png`.
 
 `lwm_jax.cli.precision_report_main` builds the model (a run config at its initialisation, or a
-checkpoint) and calls `run_report(model, args)`; building lives there because this package sits
-below the model and training packages.
+checkpoint) and calls `run_report(model, args, policy)`; building lives there because this
+package sits below the model and training packages.
+
+Which model is studied: a checkpoint as loaded; an initialisation warmed by `--seed`
+(`lwm_jax.diagnostics.warm`: a freshly initialised RWKV-7 has zero output and FFN value
+projections, whose products are exact in any precision, so its report would call those ops
+exact where a trained model's lose the policy's precision), or with `--no-warm` as built. The
+table's header, `report.json`'s `model_source` and the heat map's title say which.
 """
 from __future__ import annotations
 
@@ -16,14 +22,26 @@ from lwm_jax.precision import parse_policy
 from lwm_jax.user_input import check_output_dir
 
 MAX_TOKENS = 1 << 16          # batch_size * seq_len: the report keeps every tap of every layer
+MAX_SEED = 2**63              # NumPy's generators take any non-negative int; kept to int64
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """One-line ValueErrors for impossible sizes, unknown policies and an unusable output
-    directory (before anything is built)."""
+    """One-line ValueErrors for impossible sizes and seeds, unknown policies, an unusable output
+    directory and options that do not apply (before anything is built)."""
     for flag, value in (("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
         if value < 1:
             raise ValueError(f"{flag}: must be >= 1, got {value}")
+    if not 0 <= args.seed < MAX_SEED:
+        raise ValueError(f"--seed: must be an integer in [0, 2**63), got {args.seed}; give a "
+                         "non-negative seed such as 0")
+    if args.checkpoint is not None and args.no_warm:
+        raise ValueError("--no-warm: a checkpoint is studied as loaded, never warmed; drop "
+                         "--no-warm")
+    if args.checkpoint is None and args.format is not None:
+        raise ValueError(f"--format {args.format}: names a checkpoint's format; give "
+                         "--checkpoint PATH or drop --format")
+    if not args.output:
+        raise ValueError("--output: empty path; give a directory, e.g. -o precision_report")
     if args.batch_size * args.seq_len > MAX_TOKENS:
         raise ValueError(f"--batch-size x --seq-len = {args.batch_size * args.seq_len} tokens; "
                          f"the report holds every layer's intermediate values, keep it <= "
@@ -62,16 +80,43 @@ def report_tokens(vocab_size: int, data: str, batch_size: int, seq_len: int,
                                      "seed": seed}
 
 
-def run_report(model, args: argparse.Namespace, policy: str) -> int:
-    """Report on `model` under `policy` with the batch and outputs `args` name; prints the table
-    and the paths written. Returns 0, or 3 when the policy run produced a non-finite value."""
+def _config_name(args: argparse.Namespace) -> str:
+    name = f"config {args.config}" if args.config else "the built-in tiny config"
+    return name + (f" with {' '.join(args.overrides)}" if args.overrides else "")
+
+
+def prepare_model(model, args: argparse.Namespace,
+                  source: str | None = None) -> tuple[str, tuple[str, ...]]:
+    """Warm `model` in place unless it is a checkpoint (`args.checkpoint`) or `--no-warm`;
+    returns `(model source, warmed parameter paths)`. `source` describes a checkpoint (e.g. its
+    step); default `checkpoint <path>`."""
+    if args.checkpoint is not None:
+        fmt = f" ({args.format})" if args.format else ""
+        return source or f"checkpoint {args.checkpoint}{fmt}", ()
+    if args.no_warm:
+        return (f"fresh initialisation of {_config_name(args)}, not warmed (zero-initialised "
+                "projections measure as exact)"), ()
+    from lwm_jax.diagnostics.warm import warm_params
+
+    warmed = warm_params(model, args.seed)
+    return (f"warmed initialisation of {_config_name(args)} (seed {args.seed}): {len(warmed)} "
+            f"zero- or constant-initialised parameters drawn at a trained-like scale, listed in "
+            f"report.json; --checkpoint RUN_DIR studies a trained model"), warmed
+
+
+def run_report(model, args: argparse.Namespace, policy: str, source: str | None = None) -> int:
+    """Report on `model` (warmed first, see `prepare_model`) under `policy` with the batch and
+    outputs `args` name; prints the table and the paths written. Returns 0, or 3 when the
+    policy run produced a non-finite value."""
     from lwm_jax.diagnostics.precision_plot import plot_heatmap
     from lwm_jax.diagnostics.precision_report import format_table, precision_report, write_json
 
     tokens, info = report_tokens(model.cfg.vocab_size, args.data, args.batch_size,
                                  args.seq_len, args.seed)
+    model_source, warmed = prepare_model(model, args, source)
     report = precision_report(model, tokens, policy, shadow=args.shadow,
-                              gradients=not args.no_gradients, batch_info=info)
+                              gradients=not args.no_gradients, batch_info=info,
+                              model_source=model_source, warmed=warmed)
     print(format_table(report))
     os.makedirs(args.output, exist_ok=True)
     json_path = os.path.join(args.output, "report.json")

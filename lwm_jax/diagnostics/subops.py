@@ -115,15 +115,42 @@ class Family:
 
     grad_group: `(path tuple of the parameter) -> group name`; parameters under `blocks` have a
     leading layer axis and are grouped per layer.
+    warm_std: `(path tuple, float64 value) -> std or None`: the standard deviation of the
+      Gaussian noise `lwm_jax.diagnostics.warm` adds to a parameter whose initial value is
+      degenerate (a zero-initialised projection, a constant norm weight, ...), None to keep it.
     """
 
     name: str
     subops: tuple[SubOp, ...]
     grad_group: Callable[[tuple[str, ...]], str]
+    warm_std: Callable[[tuple[str, ...], np.ndarray], float | None]
 
 
 # ----------------------------------------------------------------------------- helpers
 F32 = jnp.dtype(jnp.float32)
+WARM_VECTOR_STD = 0.1      # noise of a warmed vector (norm weight / bias, per-head constants)
+
+
+def constant_rows(x) -> bool:
+    """True when every row (last axis) of `x` holds one value: zeros, ones, a per-layer constant
+    (a stacked `[L, C]` vector), a zero `[L, in, out]` projection. Such a parameter keeps an
+    op's output at a special value (a zero projection makes its product exactly 0, in every
+    precision) until training moves it."""
+    x = np.asarray(x)
+    return x.ndim > 0 and x.size > 0 and bool(np.all(x == x[..., :1]))
+
+
+def projection_or_vector_std(path: tuple[str, ...], x, projections: frozenset) -> float | None:
+    """`Family.warm_std` of a parameter with `constant_rows`, else None: a projection (leaf
+    name in `projections`, `[..., in, out]` applied as `x @ W`) gets `1 / sqrt(in)` (unit-scale
+    outputs for unit-scale inputs), anything else `WARM_VECTOR_STD` around its constant."""
+    if not constant_rows(x):
+        return None
+    if path[-1] in projections and np.ndim(x) >= 2:
+        return 1.0 / float(np.sqrt(np.shape(x)[-2]))
+    return WARM_VECTOR_STD
+
+
 # Explicit mantissa bits of a float32 product's operands by (backend, precision name), where the
 # backend shortens them: NVIDIA tensor cores' TF32 (10 bits; XLA's `default` and `high` for
 # float32 dots and the WKV kernel's `high`), TPU's one bf16 pass (`default`, 7 bits) and three

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, logits_from,
-                                        rms_norm64, storage)
+                                        projection_or_vector_std, rms_norm64, storage)
 from lwm_jax.layers.rms_norm import rms_norm
 from lwm_jax.layers.rope import inv_frequencies, rope_cos_sin
 
@@ -162,4 +162,14 @@ def grad_group(path: tuple[str, ...]) -> str:
             "mlp_norm": "norms"}.get(path[1], path[1])
 
 
-FAMILY = Family("llama", SUBOPS, grad_group)
+# `[..., in, out]` matrices applied as `x @ W`.
+PROJECTIONS = frozenset({"q", "k", "v", "o", "gate", "up", "down", "head"})
+
+
+def warm_std(path: tuple[str, ...], x) -> float | None:
+    """`Family.warm_std` for LLaMA: `projection_or_vector_std` (at init, the RMSNorm weights
+    are the constant 1; every matrix is Gaussian and kept)."""
+    return projection_or_vector_std(path, x, PROJECTIONS)
+
+
+FAMILY = Family("llama", SUBOPS, grad_group, warm_std)

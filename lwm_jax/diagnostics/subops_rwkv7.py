@@ -23,8 +23,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, group_norm64,
-                                        layer_norm64, logits_from, shift64, sigmoid64,
-                                        storage)
+                                        layer_norm64, logits_from, projection_or_vector_std,
+                                        shift64, sigmoid64, storage)
 from lwm_jax.ops.wkv7.chunk_math import RoundedOperands
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.reference import wkv7_reference_np
@@ -181,4 +181,23 @@ def grad_group(path: tuple[str, ...]) -> str:
     return {"ffn": "ffn", "ln1": "norms", "ln2": "norms"}.get(group, group)
 
 
-FAMILY = Family("rwkv7", SUBOPS, grad_group)
+# `[..., in, out]` matrices applied as `x @ W` (att.output, ffn.value and the LoRA down
+# projections w1/a1/v1/g1 are zero at the official init).
+PROJECTIONS = frozenset({"receptance", "key", "value", "output", "head",
+                         "w1", "w2", "a1", "a2", "v1", "v2", "g1", "g2"})
+EMB_TINY_RMS = 1e-3     # below ln0's sqrt(eps) ~ 3e-3: the official U(+-1e-4) embedding
+EMB_WARM_STD = 1.0      # ln0 normalises the embedding, so any scale well above sqrt(eps) works
+
+
+def warm_std(path: tuple[str, ...], x) -> float | None:
+    """`Family.warm_std` for RWKV-7: `projection_or_vector_std` (zero projections, constant
+    norm weights/biases, `r_k`, `k_a`, per-layer `ln_x` weights), and the embedding when its
+    RMS is below `EMB_TINY_RMS` (ln0 then normalises values comparable to its eps, a regime
+    training leaves within its first steps)."""
+    if path == ("emb",):
+        rms = float(np.sqrt(np.mean(np.square(np.asarray(x, np.float64)))))
+        return EMB_WARM_STD if rms < EMB_TINY_RMS else None
+    return projection_or_vector_std(path, x, PROJECTIONS)
+
+
+FAMILY = Family("rwkv7", SUBOPS, grad_group, warm_std)
