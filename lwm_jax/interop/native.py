@@ -18,7 +18,7 @@ import jax
 import numpy as np
 import yaml
 
-from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.models.rwkv7.config import ModelConfig, upgrade_saved_model
 from lwm_jax.interop import params
 from lwm_jax.models.registry import DEFAULT_ARCH, arch_of_config, get_arch
 from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
@@ -43,7 +43,7 @@ def model_config_from(doc: dict, file: Path) -> ModelConfig:
                          "restore the file or re-create the checkpoint")
     try:
         config_cls = get_arch(doc.get("arch", DEFAULT_ARCH)).config_cls
-        return config_cls.from_dict(doc["model"], where=f"{file}: model")
+        return config_cls.from_dict(upgrade_saved_model(doc["model"]), where=f"{file}: model")
     except (ValueError, TypeError) as err:
         text = str(err)
         raise ValueError(text if text.startswith(str(file)) else f"{file}: {text}") from None

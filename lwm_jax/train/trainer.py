@@ -28,6 +28,7 @@ from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.hardware import platform_of
 from lwm_jax.loss_scale import loss_scale_for
 from lwm_jax.models.registry import DEFAULT_ARCH, get_arch
+from lwm_jax.models.rwkv7.config import upgrade_saved_model
 from lwm_jax.precision import parse_policy
 from lwm_jax.runtime import RUNTIME_FIELDS
 from lwm_jax.train import batches
@@ -371,7 +372,8 @@ def _check_same_model(saved_path: str, cfg: RunConfig) -> None:
     for key in ("arch", "model", "precision"):
         old_value = saved.get(key, DEFAULT_ARCH if key == "arch" else None)
         if key == "model" and isinstance(old_value, dict):
-            old_value = {k: v for k, v in old_value.items() if k not in RUNTIME_FIELDS}
+            old_value = upgrade_saved_model(
+                {k: v for k, v in old_value.items() if k not in RUNTIME_FIELDS})
         if old_value is not None and old_value != new[key]:
             if isinstance(old_value, dict):
                 diff = sorted(k for k in new[key] if old_value.get(k) != new[key][k])

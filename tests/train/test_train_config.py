@@ -314,3 +314,31 @@ def test_resuming_accepts_a_saved_config_with_runtime_keys_under_model(tmp_path)
     saved.write_text(yaml.safe_dump(old))
     with pytest.raises(ValueError, match="model.n_layer="):
         _check_same_model(str(saved), cfg)
+
+
+def test_a_low_rank_size_of_0_is_refused_and_null_takes_the_rule(capsys, tmp_path):
+    """`model.decay_lora: 0` once silently meant RWKV-LM's rule (32 at C=256); now null (or
+    no key) means the rule and 0 is one line naming the key and the fix. Saved configs that
+    wrote 0 for the rule (older run dirs and checkpoints) still read as the rule."""
+    from lwm_jax.interop.native import model_config_from
+    from lwm_jax.train.trainer import _check_same_model
+    assert main(["train", "model.decay_lora=0", "--print-config"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "model.decay_lora: 0 is not a low-rank size" in err
+    assert "write null (or leave the key out) for RWKV-LM's rule (32 here)" in err
+    for bad in ("-4", "2.5", "true", "'32'"):
+        with pytest.raises(ValueError, match=r"model\.a_lora"):
+            load_config(None, [f"model.a_lora={bad}"])
+    cfg = load_config(None, ["model.gate_lora=null", "model.v_lora=24"])
+    assert cfg.model.gate_lora is None and cfg.model.v_lora == 24
+    assert (cfg.model.resolved().gate_lora, cfg.model.resolved().v_lora) == (64, 24)  # 5√256
+    # a run dir written when 0 meant the rule resumes under today's null ...
+    cfg = load_config(None, [f"run_dir={tmp_path}"])
+    os.makedirs(cfg.checkpoint_dir)
+    old = cfg.to_dict()
+    old["model"] = {**old["model"], "decay_lora": 0, "a_lora": 0, "v_lora": 0, "gate_lora": 0}
+    saved = tmp_path / "config.yaml"
+    saved.write_text(yaml.safe_dump(old))
+    _check_same_model(str(saved), cfg)
+    # ... and its checkpoint's config reads as the rule
+    assert model_config_from(old, saved).resolved() == cfg.model.resolved()
