@@ -45,6 +45,7 @@ GPU_PATH_FILES = (
     "tests/models/rwkv7/test_model.py", "tests/models/rwkv7/test_kk_normalise.py",
     "tests/models/rwkv7/test_squared_relu.py", "tests/models/rwkv7/test_fp16_channel_mix.py",
     "tests/models/llama/test_llama_model.py", "tests/models/hybrid/test_hybrid.py",
+    "tests/models/hybrid/test_hybrid_reference.py",
     "tests/test_fp32_islands.py", "tests/test_precision.py", "tests/test_bf16_split.py",
     "tests/train/test_fused_loss.py", "tests/interop/test_fla_interop.py",
 )
