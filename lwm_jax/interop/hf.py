@@ -197,7 +197,7 @@ def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> Model
         vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
         decay_lora=int(need(lay.format(0, "w")).shape[0]),
         a_lora=int(need(lay.format(0, "a")).shape[0]),
-        v_lora=int(sd[v_name].shape[0]) if v_name else 0,
+        v_lora=int(sd[v_name].shape[0]) if v_name else None,   # one layer: the rule
         gate_lora=int(need(lay.format(0, "g")).shape[0]), ffn_mult=int(F // C)).resolved()
     checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": N}
     for key, value in checks.items():

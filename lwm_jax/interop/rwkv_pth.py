@@ -55,7 +55,7 @@ def config_from_official(sd: Mapping[str, np.ndarray], where: str = "checkpoint"
         vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
         decay_lora=int(_need(sd, "blocks.0.att.w1", where).shape[1]),
         a_lora=int(_need(sd, "blocks.0.att.a1", where).shape[1]),
-        v_lora=int(v1.shape[1]) if v1 is not None else 0,
+        v_lora=int(v1.shape[1]) if v1 is not None else None,   # one layer: the rule
         gate_lora=int(_need(sd, "blocks.0.att.g1", where).shape[1]),
         ffn_mult=int(F // C))
     return cfg.resolved()
