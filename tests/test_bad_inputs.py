@@ -33,10 +33,18 @@ def run(capsys, *argv) -> tuple[int, str, str]:
     return status, cap.out, cap.err
 
 
+def error_lines(err: str) -> list[str]:
+    """stderr without `lwm-jax eval`'s progress (its `[eval] ...` stage lines)."""
+    return [line for line in err.strip().splitlines()
+            if line.strip() and not line.startswith("[eval] ")]
+
+
 def one_line_error(capsys, *argv, status: int = 2, match: str | None = None) -> str:
-    """Run the CLI; assert the exit status and exactly one stderr line; return that line."""
+    """Run the CLI; assert the exit status and exactly one stderr line besides progress lines,
+    the last one; return that line."""
     code, _, err = run(capsys, *argv)
-    lines = err.strip().splitlines()
+    lines = error_lines(err)
+    assert err.strip().splitlines()[-1:] == lines[-1:], err
     assert code == status, err
     assert len(lines) == 1 and "Traceback" not in err, err
     if match is not None:
@@ -212,7 +220,7 @@ def test_eval_nan_loss_exits_3(tree, tmp_path, capsys):
     (tmp_path / "t.txt").write_text("hello there\n")
     code, out, err = run(capsys, "eval", "--checkpoint", tmp_path / "hf", "--data",
                          tmp_path / "t.txt", "--ctx-len", "16")
-    assert code == 3 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert code == 3 and out == "" and len(error_lines(err)) == 1, err
     assert "perplexity loss is NaN" in err
 
 

@@ -3,18 +3,25 @@ evaluation-harness requests (lm-eval's `LM` interface: `lwm_jax.eval.lm_eval_ada
 
     scorer = Scorer(model)
     res = evaluate_stream(scorer, load_stream("corpus.txt", tok), tok)   # res.bits_per_byte
-    acc = last_word_accuracy(scorer, encode_examples(tok, read_jsonl("lambada.jsonl")))
+    acc = last_word_accuracy(PairScorer(model),
+                             encode_examples(tok, read_jsonl("lambada.jsonl")))
     HarnessModel(model, tok).loglikelihood([("The cat sat on the", " mat")])
-"""
-from lwm_jax.eval.batched import PairScorer
-from lwm_jax.eval.cli import add_eval_args, eval_main
-from lwm_jax.eval.harness import HarnessModel
-from lwm_jax.eval.lambada import (LambadaResult, encode_examples, last_word_accuracy, read_jsonl,
-                                  split_last_word)
-from lwm_jax.eval.perplexity import (PerplexityResult, count_bytes, evaluate_stream, load_stream,
-                                     stream_nll)
-from lwm_jax.eval.scoring import Scorer
 
+Names load on first use (PEP 562): importing `lwm_jax.eval.cli` (what `lwm-jax eval` runs
+first) imports no jax, so the command reports its first stage at once.
+"""
+from lwm_jax._lazy import lazy_getattr
+
+_SOURCES = {
+    "PairScorer": "lwm_jax.eval.batched", "add_eval_args": "lwm_jax.eval.cli",
+    "eval_main": "lwm_jax.eval.cli", "HarnessModel": "lwm_jax.eval.harness",
+    **dict.fromkeys(("LambadaResult", "encode_examples", "last_word_accuracy", "read_jsonl",
+                     "split_last_word"), "lwm_jax.eval.lambada"),
+    **dict.fromkeys(("PerplexityResult", "count_bytes", "evaluate_stream", "load_stream",
+                     "stream_nll"), "lwm_jax.eval.perplexity"),
+    "Scorer": "lwm_jax.eval.scoring",
+}
+__getattr__ = lazy_getattr(__name__, _SOURCES)
 __all__ = ["Scorer", "PerplexityResult", "stream_nll", "evaluate_stream", "load_stream",
            "count_bytes", "LambadaResult", "split_last_word", "read_jsonl", "encode_examples",
            "last_word_accuracy", "add_eval_args", "eval_main", "HarnessModel", "PairScorer"]

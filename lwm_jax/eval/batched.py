@@ -1,8 +1,7 @@
 """Batched scoring of token pairs `(context ids, continuation ids)`: the log-likelihood of the
 continuation after the context and whether greedy decoding would produce it.
 
-Two strategies, picked from the model's state protocol (`init_state(B)` = recurrent,
-`init_state(B, max_len=)` = KV cache):
+Two strategies, picked from the model's state protocol (`lwm_jax.eval.scoring.model_context`):
 
 Recurrent (RWKV-7), exact at any length, nothing truncated:
   1. pairs that share their context (multiple-choice answers) form a group; the group's first
@@ -14,9 +13,10 @@ Recurrent (RWKV-7), exact at any length, nothing truncated:
      context and the continuation in windows of at most `window` tokens, the state carried
      from window to window. Only a row's last window can be partial (right-padded), and a
      row's state is never used after its last window, so padding never reaches a score.
-KV cache (LLaMA): every pair runs in one right-padded window of `context + continuation`
-  (causal attention: padding does not reach earlier positions). A pair longer than the model's
-  `max_seq_len` + 1 tokens loses context tokens from the left (`n_truncated` counts them, as
+One window (LLaMA: KV cache, `max_len` = its `max_seq_len`; the hybrid: no carried state,
+  `max_len` = `window`): every pair runs in one right-padded window of `context +
+  continuation` (causal: padding does not reach earlier positions). A pair longer than
+  `max_len` + 1 tokens loses context tokens from the left (`n_truncated` counts them, as
   lm-eval does); a continuation that alone does not fit is a one-line ValueError.
 
 Rows are sorted by length so that a batch holds rows of similar length. Shapes are fixed per
@@ -27,13 +27,14 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import inspect
 from typing import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+
+from lwm_jax.eval.scoring import model_context
 
 # Traces (= compilations) of the jitted functions, over all PairScorers.
 TRACES: collections.Counter = collections.Counter()
@@ -87,8 +88,9 @@ class _Row:
     n_cont: int
 
 
-def _bucket(n: int, cap: int) -> int:
-    """Smallest power of two >= max(n, MIN_BUCKET), at most `cap`."""
+def bucket_width(n: int, cap: int) -> int:
+    """Smallest power of two >= max(n, MIN_BUCKET), at most `cap`: the width of a window of
+    `n` tokens (few distinct widths = few compilations)."""
     return min(cap, max(MIN_BUCKET, 1 << (max(n, 1) - 1).bit_length()))
 
 
@@ -101,10 +103,11 @@ class PairScorer:
     """Scores `(context ids, continuation ids)` pairs for one model (see the module docstring).
 
     Args:
-      model: an `RWKV7` or a `Llama` (parameters are read now).
+      model: an `RWKV7`, a `Llama` or an `RWKVHybrid` (parameters are read now).
       batch_size: rows per compiled call.
-      window: most tokens per scoring call (recurrent models; a KV-cache model uses one window
-        of up to its `max_seq_len`).
+      window: most tokens per scoring call: a recurrent model carries its state from window to
+        window, a model without carried state (the hybrid) sees at most this many tokens; a
+        KV-cache model uses one window of up to its `max_seq_len` instead.
       granule: tokens per shared-prefix step (recurrent models): a group shares all but the
         last `< granule` tokens of its context.
     """
@@ -117,9 +120,11 @@ class PairScorer:
         self.vocab_size = int(model.cfg.vocab_size)
         self._graph, self._params, self._rest = nnx.split(model, nnx.Param, ...)
         self._init_state = model.init_state
-        self.recurrent = "max_len" not in inspect.signature(model.init_state).parameters
-        self.max_len = None if self.recurrent else int(model.cfg.max_seq_len)
-        self.n_truncated = 0     # pairs whose context lost tokens (KV cache models only)
+        self.recurrent, bound = model_context(model)
+        # most tokens a pair's window holds (None: any, the state is carried); what sets it
+        self.max_len = None if self.recurrent else (bound or window)
+        self.limit = "max_seq_len" if bound else "window"
+        self.n_truncated = 0     # pairs whose context lost tokens (one-window models only)
 
     # ------------------------------------------------------------------ planning
     def _check(self, pairs) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
@@ -136,8 +141,8 @@ class PairScorer:
                                  "model?")
             if self.max_len is not None and len(cont) > self.max_len:
                 raise ValueError(f"pairs[{i}]: the continuation has {len(cont)} tokens, more "
-                                 f"than the model's max_seq_len={self.max_len}; it cannot be "
-                                 "scored in one context window")
+                                 f"than one scoring window holds ({self.limit}={self.max_len}); it "
+                                 "cannot be scored")
             out.append((ctx, cont))
         return out
 
@@ -172,8 +177,17 @@ class PairScorer:
 
         `progress`: optional callable taking the number of pairs finished by each batch.
         """
+        return [(-float(nll.sum()), bool(hit.all()))
+                for nll, hit in self.token_scores(pairs, progress)]
+
+    def token_scores(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+                     progress=None) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per pair, `(nll, hit)` of each continuation token: float64 `[n_cont]` negative
+        log-likelihood (nats) and bool `[n_cont]` argmax == token (empty for an empty
+        continuation). `progress` as in `score`."""
         pairs = self._check(pairs)
-        out: list[tuple[float, bool]] = [(0.0, True)] * len(pairs)
+        empty = (np.zeros(0, np.float64), np.zeros(0, bool))
+        out: list[tuple[np.ndarray, np.ndarray]] = [empty] * len(pairs)
         rows = self._plan(pairs)
         for first in range(0, len(rows), self.batch_size):
             batch = rows[first: first + self.batch_size]
@@ -208,11 +222,11 @@ class PairScorer:
         rows_B[: len(batch)] = [slot[r.group] for r in batch]
         return _gather(state, jnp.asarray(rows_B))
 
-    def _run(self, batch: list[_Row]) -> list[tuple[float, bool]]:
+    def _run(self, batch: list[_Row]) -> list[tuple[np.ndarray, np.ndarray]]:
         state = self._prefix_states(batch) if self.recurrent else None
         n_in = [len(r.seq) - 1 for r in batch]
         cap = self.window if self.recurrent else self.max_len
-        T = _bucket(max(n_in), cap)
+        T = bucket_width(max(n_in), cap)
         nll_parts: list[list[np.ndarray]] = [[] for _ in batch]
         hit_parts: list[list[np.ndarray]] = [[] for _ in batch]
         for start in range(0, max(n_in), T):
@@ -235,5 +249,5 @@ class PairScorer:
         for j, r in enumerate(batch):
             nll_j = np.concatenate(nll_parts[j])[-r.n_cont:]
             hit_j = np.concatenate(hit_parts[j])[-r.n_cont:]
-            results.append((-float(nll_j.astype(np.float64).sum()), bool(hit_j.all())))
+            results.append((nll_j.astype(np.float64), hit_j.astype(bool)))
         return results

@@ -6,14 +6,21 @@ and lm-evaluation-harness tasks.
     lwm-jax eval --checkpoint DIR --lambada lambada_test.jsonl [--max-examples N]
     lwm-jax eval --checkpoint DIR --tasks lambada_openai,piqa [--num-fewshot 0] [--limit N]
 
+Every model family: an RWKV-7 carries its state through windows of `--ctx-len` tokens (exact
+at any length); a LLaMA scores in windows of its `max_seq_len`, the RWKV-7/attention hybrid
+(no carried state) in windows of `--ctx-len` (`lwm_jax.eval.scoring.model_context`). Nothing is
+dropped: perplexity predicts every token once and reports its window; a LAMBADA or lm-eval
+context cut to fit a window is counted in `n_truncated`.
+
 Prints ONE JSON object `{"perplexity": {...}, "lambada": {...}, "lm_eval": {...}}` (the
-evaluations run) to stdout, and writes the identical text to `--output FILE` when given. A
-NaN/inf result is not printed: it is a one-line `NonFiniteError` (exit status 3), since a NaN
-loss means a broken model or precision. `--tasks` needs `lm_eval` (`pip install
-'lwm_jax[eval]'`; `lwm_jax.eval.lm_eval_adapter`); `--ctx-len` is then the scoring window
-and `--batch-size` the rows per call. An `--include-path` directory from which lm-eval would
-run Python (a `.py` file, a `!function` tag) is refused unless `--allow-task-code` is given:
-task files are data until the user says they trust their code. Arguments:
+evaluations run) to stdout, and writes the identical text to `--output FILE` when given;
+stderr gets `[eval] ...` progress lines from the first second on. A NaN/inf result is not
+printed: it is a one-line `NonFiniteError` (exit status 3), since a NaN loss means a broken
+model or precision. `--tasks` needs `lm_eval` (`pip install 'lwm_jax[eval]'`;
+`lwm_jax.eval.lm_eval_adapter`); `--batch-size` is the rows per call. An `--include-path`
+directory from which lm-eval would run Python (a `.py` file, a `!function` tag) is refused
+unless `--allow-task-code` is given, and without that flag its Jinja templates render in a
+sandbox: task files are data until the user says they trust them. Arguments:
 `lwm_jax.cli_args.add_eval_args`.
 """
 from __future__ import annotations
@@ -37,19 +44,29 @@ def _check_finite(task: str, data: str, metrics: dict) -> None:
                 "checkpoint is broken or the precision too narrow (try --precision fp32)")
 
 
-def eval_main(args: argparse.Namespace, out=None) -> dict:
+def _stage(err, text: str) -> None:
+    """One progress line `[eval] text` on `err` (stderr), flushed at once."""
+    err.write(f"[eval] {text}\n")
+    err.flush()
+
+
+def eval_main(args: argparse.Namespace, out=None, err=None) -> dict:
     """Run the requested evaluations; returns `{"perplexity": {...}, "lambada": {...}}`, the
     object printed to `out` (default stdout) and written to `--output`.
+
+    Progress goes to `err` (default stderr): one `[eval] ...` line as each stage begins
+    (indexing tasks, loading the checkpoint, each evaluation, whose first call compiles) and
+    a progress bar while scoring, so the wait is never silent; `out` gets the results only.
+    Every check that needs no model (options, paths, JSONL lines, task code) runs before the
+    first stage, so a mistake there is the only line on stderr.
 
     Raises ValueError (one line) for missing tasks, bad paths or inputs, and NonFiniteError
     (a ValueError, exit status 3 in the CLI) when a metric is NaN/inf.
     """
-    from lwm_jax.eval.lambada import encode_examples, last_word_accuracy, read_jsonl
-    from lwm_jax.eval.perplexity import evaluate_stream, load_stream
-    from lwm_jax.eval.scoring import Scorer
-    from lwm_jax.generate.cli import load_model_and_tokenizer
-    from lwm_jax.models.registry import arch_of_model
+    from lwm_jax.eval.lambada import read_jsonl
+    from lwm_jax.eval.perplexity import check_stream_path
     out = out or sys.stdout
+    err = err or sys.stderr
     tasks = getattr(args, "tasks", None)
     if not args.data and not args.lambada and not tasks:
         raise ValueError("eval: give --data (perplexity), --lambada (last-word accuracy) and/or "
@@ -58,43 +75,98 @@ def eval_main(args: argparse.Namespace, out=None) -> dict:
     if getattr(args, "allow_task_code", False) and not getattr(args, "include_path", None):
         raise ValueError("--allow-task-code: only applies to an --include-path directory of "
                          "task files; give --include-path DIR or drop --allow-task-code")
+    _check_checkpoint(args)
+    if args.data:
+        check_stream_path(args.data)
+    texts = read_jsonl(args.lambada, args.max_examples) if args.lambada else None
+    if args.output:
+        check_output_file(args.output, "--output")
     if tasks:       # before the model is loaded: a missing lm_eval or a bad task name is cheap
         from lwm_jax.eval.lm_eval_adapter import (  # ImportError
             check_task_code, check_task_names, task_manager)
         _check_task_options(args)
         check_task_code(args.include_path, getattr(args, "allow_task_code", False))
+        where = f" (and {quote_path(args.include_path)})" if args.include_path else ""
+        _stage(err, f"indexing lm-eval tasks{where} ...")
         manager = task_manager(args.include_path, tasks.split(","))
         names = check_task_names(tasks.split(","), manager)
-    if args.output:
-        check_output_file(args.output, "--output")
+    _stage(err, f"loading checkpoint {quote_path(args.checkpoint)} and building the model ...")
+    from lwm_jax.generate.cli import load_model_and_tokenizer
     model, cfg, tok = load_model_and_tokenizer(args)
-    arch = arch_of_model(model).name
-    if args.data and arch != "rwkv7":     # windows carry a recurrent state through the stream
-        raise ValueError(f"--data: stream perplexity is implemented for RWKV-7 models only; "
-                         f"this is a {arch} model (--lambada works)")
-    scorer = Scorer(model)
+    _stage(err, _describe(model, args.ctx_len))
     results: dict = {}
     if args.data:
-        stream = load_stream(args.data, tok)
-        res = evaluate_stream(scorer, stream, tok, ctx_len=args.ctx_len,
-                              max_tokens=args.max_tokens, eod_id=tok.eod_id)
-        metrics = res.to_dict()
-        _check_finite("perplexity", args.data, metrics)
-        results["perplexity"] = {"data": args.data, **metrics}
-    if args.lambada:
-        examples = encode_examples(tok, read_jsonl(args.lambada, args.max_examples))
-        res = last_word_accuracy(scorer, examples, batch_size=args.batch_size)
-        metrics = res.to_dict()
-        _check_finite("lambada", args.lambada, metrics)
-        results["lambada"] = {"data": args.lambada, **metrics}
+        results["perplexity"] = _perplexity(args, model, tok, err)
+    if texts is not None:
+        results["lambada"] = _lambada(args, model, tok, texts, err)
     if tasks:
-        results["lm_eval"] = _run_lm_eval(args, model, tok, manager, names)
+        results["lm_eval"] = _run_lm_eval(args, model, tok, manager, names, err)
     text = json.dumps(results, indent=2, allow_nan=False) + "\n"
     out.write(text)
     out.flush()
     if args.output:
         write_text(args.output, text)
     return results
+
+
+def _check_checkpoint(args: argparse.Namespace) -> None:
+    """The checkpoint's format detected from its path (what loading it does first), unless
+    `--format` forces one or the name is a Hugging Face Hub name: a missing or unrecognised
+    checkpoint is then one line before any stage begins."""
+    from lwm_jax.interop.api import detect_format
+    from lwm_jax.interop.hub import is_hub_name
+    if getattr(args, "format", None) is None and not is_hub_name(args.checkpoint):
+        detect_format(args.checkpoint)
+
+
+def _describe(model, ctx_len: int) -> str:
+    """`arch, parameters, how far it sees` of a loaded model, for the progress line."""
+    from lwm_jax.eval.scoring import model_context
+    from lwm_jax.models.registry import arch_of_model
+    recurrent, max_len = model_context(model)
+    if recurrent:
+        seen = f"state carried through windows of {ctx_len} tokens (--ctx-len)"
+    elif max_len is not None:
+        seen = f"windows of {max_len} tokens (its max_seq_len; --ctx-len does not apply)"
+    else:
+        seen = f"windows of {ctx_len} tokens (--ctx-len; no state carried between them)"
+    return f"{arch_of_model(model).name} model, {model.param_count():,} parameters; {seen}"
+
+
+def _perplexity(args: argparse.Namespace, model, tok, err) -> dict:
+    from lwm_jax.eval.perplexity import count_windows, evaluate_stream, load_stream
+    from lwm_jax.eval.scoring import Scorer
+    _stage(err, f"perplexity: reading {quote_path(args.data)} ...")
+    stream = load_stream(args.data, tok)
+    scorer = Scorer(model)
+    n = min(len(stream), args.max_tokens or len(stream))
+    if n:
+        windows = count_windows(scorer, n, args.ctx_len)
+        _stage(err, f"perplexity: {n:,} tokens in {windows:,} window{'s' * (windows > 1)}; "
+                    "compiling the scorer (first window) ...")
+    res = evaluate_stream(scorer, stream, tok, ctx_len=args.ctx_len, max_tokens=args.max_tokens,
+                          eod_id=tok.eod_id, batch_size=args.batch_size,
+                          progress=lambda total: _progress_bar("perplexity", total, err,
+                                                               "window"))
+    metrics = res.to_dict()
+    _check_finite("perplexity", args.data, metrics)
+    return {"data": args.data, **metrics}
+
+
+def _lambada(args: argparse.Namespace, model, tok, texts: list[str], err) -> dict:
+    from lwm_jax.eval.batched import PairScorer
+    from lwm_jax.eval.lambada import encode_examples, last_word_accuracy
+    examples = encode_examples(tok, texts)
+    scorer = PairScorer(model, batch_size=args.batch_size, window=args.ctx_len)
+    _stage(err, f"lambada: {len(examples):,} examples; compiling the scorer (first batch) ...")
+    res = last_word_accuracy(scorer, examples,
+                             _progress_bar("lambada", len(examples), err, "example"))
+    if res.n_truncated:
+        _stage(err, f"lambada: {res.n_truncated} of {res.n} contexts were cut from the left to "
+                    f"fit {scorer.max_len} tokens ({scorer.limit}); see n_truncated")
+    metrics = res.to_dict()
+    _check_finite("lambada", args.lambada, metrics)
+    return {"data": args.lambada, **metrics}
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -116,10 +188,11 @@ def _check_task_options(args: argparse.Namespace) -> None:
                          "of task YAML files")
 
 
-def _progress_bar(kind: str, total: int):
-    """A stderr progress bar over `total` requests of one kind; returns its updater."""
+def _progress_bar(kind: str, total: int, err=None, unit: str = "req"):
+    """A progress bar on `err` (default stderr) over `total` units of one kind; returns its
+    updater `update(n_done)`, which closes the bar at `total`."""
     from tqdm import tqdm
-    bar = tqdm(total=total, desc=f"[eval] {kind}", file=sys.stderr, unit="req")
+    bar = tqdm(total=total, desc=f"[eval] {kind}", file=err or sys.stderr, unit=unit)
 
     def update(n: int) -> None:
         bar.update(n)
@@ -128,14 +201,23 @@ def _progress_bar(kind: str, total: int):
     return update
 
 
-def _run_lm_eval(args: argparse.Namespace, model, tok, manager, names: list[str]) -> dict:
-    """lm-eval's results for `--tasks`, checked finite (standard errors may be None)."""
+def _run_lm_eval(args: argparse.Namespace, model, tok, manager, names: list[str], err) -> dict:
+    """lm-eval's results for `--tasks`, checked finite (standard errors may be None). Task
+    templates render in a Jinja sandbox when `--include-path` is given without
+    `--allow-task-code` (`lm_eval_adapter.sandboxed_templates`)."""
     from lwm_jax.eval.harness import HarnessModel
     from lwm_jax.eval.lm_eval_adapter import run_tasks
     harness = HarnessModel(model, tok, batch_size=args.batch_size, window=args.ctx_len,
-                           prefix=args.prefix, progress=_progress_bar)
+                           prefix=args.prefix,
+                           progress=lambda kind, total: _progress_bar(kind, total, err))
+    _stage(err, f"lm-eval: running {','.join(names)} (the first batch of each request kind "
+                "compiles) ...")
+    sandbox = bool(args.include_path) and not getattr(args, "allow_task_code", False)
     out = run_tasks(harness, names, num_fewshot=args.num_fewshot, limit=args.limit,
-                    bootstrap_iters=args.bootstrap_iters, manager=manager)
+                    bootstrap_iters=args.bootstrap_iters, manager=manager, sandbox=sandbox)
+    if out["n_truncated"]:
+        _stage(err, f"lm-eval: {out['n_truncated']} requests lost context tokens from the left "
+                    "to fit the model's window; see n_truncated")
     for task, metrics in out["results"].items():
         _check_finite(task, ",".join(names),
                       {k: v for k, v in metrics.items() if "_stderr" not in k})

@@ -54,7 +54,8 @@ class HarnessModel:
     """Text-level `loglikelihood`, `loglikelihood_rolling` and `generate_until` for one model.
 
     Args:
-      model: an `RWKV7` or a `Llama`.
+      model: an `RWKV7`, a `Llama` or an `RWKVHybrid` (the hybrid: scoring only, it has no
+        state for `generate_until`).
       tokenizer: its tokenizer (`lwm_jax.tokenizers`).
       batch_size, window, granule: see `PairScorer` (also the generation batch).
       prefix: "eod" | "newline" | "none" (`lwm_jax.eval.requests`).

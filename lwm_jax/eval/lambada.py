@@ -7,6 +7,12 @@ of the target; because greedy decoding feeds back its own argmax, that is the sa
 matching the target at every target position under teacher forcing, which is how it is computed
 (batched, one pass). Also reported: perplexity = exp(mean over examples of the target's total
 negative log-likelihood), the usual LAMBADA perplexity.
+
+Scoring is lm-eval's `loglikelihood` (`lwm_jax.eval.batched.PairScorer`), so every model family
+works as it does under `--tasks`: a recurrent model (RWKV-7) sees the whole context at any
+length; a model with a bounded window (LLaMA's `max_seq_len`, the hybrid's `window`) loses
+context tokens from the left when an example does not fit, and `n_truncated` counts those
+examples.
 """
 from __future__ import annotations
 
@@ -14,20 +20,23 @@ import dataclasses
 import json
 import math
 import os
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
-from lwm_jax.eval.scoring import Scorer
+if TYPE_CHECKING:           # imported when scoring: reading examples stays light (no jax)
+    from lwm_jax.eval.batched import PairScorer
 
 
 @dataclasses.dataclass(frozen=True)
 class LambadaResult:
-    """n: examples; n_correct: greedy hits; target_nats: per-example target NLL (nats)."""
+    """n: examples; n_correct: greedy hits; target_nats: per-example target NLL (nats);
+    n_truncated: examples whose context was cut from the left to fit the scoring window."""
 
     n: int
     n_correct: int
     target_nats: tuple[float, ...]
+    n_truncated: int = 0
 
     @property
     def accuracy(self) -> float:
@@ -43,7 +52,7 @@ class LambadaResult:
 
     def to_dict(self) -> dict:
         return {"n": self.n, "n_correct": self.n_correct, "accuracy": self.accuracy,
-                "perplexity": self.perplexity}
+                "perplexity": self.perplexity, "n_truncated": self.n_truncated}
 
 
 def split_last_word(text: str) -> tuple[str, str]:
@@ -95,29 +104,23 @@ def encode_examples(tokenizer, texts: Sequence[str]) -> list[tuple[list[int], li
     return out
 
 
-def last_word_accuracy(scorer: Scorer, examples: Sequence[tuple[Sequence[int], Sequence[int]]],
-                       batch_size: int = 8, bucket: int = 64) -> LambadaResult:
-    """Score `(context ids, target ids)` pairs; batches are padded to a multiple of `bucket`
-    tokens and to `batch_size` rows (right padding never affects earlier positions)."""
+def last_word_accuracy(scorer: PairScorer,
+                       examples: Sequence[tuple[Sequence[int], Sequence[int]]],
+                       progress=None) -> LambadaResult:
+    """Score `(context ids, target ids)` pairs with `scorer` (its `batch_size` rows per call).
+
+    `progress`: optional callable told the number of examples finished by each batch."""
+    from lwm_jax.eval.batched import PairScorer
+    if not isinstance(scorer, PairScorer):
+        raise TypeError(f"last_word_accuracy: scorer must be a PairScorer, got "
+                        f"{type(scorer).__name__}")
     if not examples:
         raise ValueError("lambada: no examples")
     for i, (ctx, tgt) in enumerate(examples):
         if not ctx or not tgt:
             raise ValueError(f"lambada: example {i} has an empty context or target")
-    correct, nats = 0, []
-    for first in range(0, len(examples), batch_size):
-        batch = examples[first: first + batch_size]
-        longest = max(len(c) + len(t) - 1 for c, t in batch)
-        T = -(-longest // bucket) * bucket
-        inputs = np.zeros((batch_size, T), np.int32)
-        targets = np.zeros((batch_size, T), np.int32)
-        for row, (ctx, tgt) in enumerate(batch):
-            seq = list(ctx) + list(tgt)
-            inputs[row, : len(seq) - 1] = seq[:-1]
-            targets[row, : len(seq) - 1] = seq[1:]
-        nll, hit, _ = scorer.score(inputs, targets)
-        for row, (ctx, tgt) in enumerate(batch):
-            span = slice(len(ctx) - 1, len(ctx) - 1 + len(tgt))
-            correct += bool(hit[row, span].all())
-            nats.append(float(nll[row, span].astype(np.float64).sum()))
-    return LambadaResult(n=len(examples), n_correct=correct, target_nats=tuple(nats))
+    before = scorer.n_truncated
+    scores = scorer.score(examples, progress)
+    return LambadaResult(n=len(examples), n_correct=sum(hit for _, hit in scores),
+                         target_nats=tuple(-logp for logp, _ in scores),
+                         n_truncated=scorer.n_truncated - before)

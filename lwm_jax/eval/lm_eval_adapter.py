@@ -8,16 +8,20 @@ YAML files) through `lm_eval.simple_evaluate`.
     out["results"]["piqa"]["acc,none"]
 
 This module imports `lm_eval` when it is imported; without it the import is a one-line
-ImportError naming the install command. `find_task_code` tells whether a task directory would
-make lm-eval run Python (the CLI refuses such a directory without `--allow-task-code`).
+ImportError naming the install command. Task files are data unless the user trusts them:
+`find_task_code` tells whether a task directory would make lm-eval run Python (the CLI refuses
+such a directory without `--allow-task-code`), and `sandboxed_templates` renders the tasks'
+Jinja templates in a sandbox (`run_tasks`' default; the CLI sandboxes whenever `--include-path`
+is given without `--allow-task-code`).
 """
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import yaml
 
@@ -159,8 +163,9 @@ def find_task_code(include_path) -> str | None:
     searched recursively as lm-eval searches them (`**/*.yaml`). Raises ValueError (one line)
     for a task YAML that cannot be parsed.
 
-    A guard against task code, not a sandbox: lm-eval renders prompt templates with
-    unsandboxed Jinja, so a task directory must still come from someone you trust."""
+    Python is one way in; the other, prompt templates (rendered by lm-eval with an
+    unsandboxed Jinja environment, which can reach Python objects), is closed by
+    `sandboxed_templates`."""
     roots = [include_path] if isinstance(include_path, (str, os.PathLike)) else include_path
     seen: set = set()
     for root in map(Path, roots or ()):
@@ -183,6 +188,76 @@ def check_task_code(include_path, allow: bool = False) -> None:
     if why:
         raise ValueError(f"--include-path: {why}; pass --allow-task-code if you trust the "
                          "directory and its code")
+
+
+# Settings of a jinja2 Environment that shape how a template renders, each stored under the
+# name of its constructor argument: the sandbox is built with the same values.
+_ENV_SETTINGS = ("block_start_string", "block_end_string", "variable_start_string",
+                 "variable_end_string", "comment_start_string", "comment_end_string",
+                 "line_statement_prefix", "line_comment_prefix", "trim_blocks", "lstrip_blocks",
+                 "newline_sequence", "keep_trailing_newline", "undefined", "finalize",
+                 "autoescape", "loader", "optimized")
+_PROBE = "{{ ''.__class__ }}"      # renders only where attribute access is unchecked
+
+
+def _sandbox_like(env):
+    """A `jinja2.sandbox.SandboxedEnvironment` with `env`'s syntax, undefined handling and
+    extensions, and `env`'s filters, tests and globals wherever the sandbox has none of that
+    name (so the sandbox keeps its own `range` and lm-eval keeps its `regex_replace`)."""
+    from jinja2.sandbox import SandboxedEnvironment
+    box = SandboxedEnvironment(extensions=list(env.extensions),
+                               **{name: getattr(env, name) for name in _ENV_SETTINGS})
+    for ours, theirs in ((box.filters, env.filters), (box.tests, env.tests),
+                         (box.globals, env.globals)):
+        for name, value in theirs.items():
+            ours.setdefault(name, value)
+    return box
+
+
+@contextlib.contextmanager
+def sandboxed_templates() -> Iterator[None]:
+    """While open, lm-eval renders every task template (`doc_to_text`, `doc_to_target`,
+    `doc_to_choice`, `description`, `gen_prefix`, ...) in a Jinja sandbox.
+
+    lm-eval compiles them all with one module-level, unsandboxed `jinja2.Environment`
+    (`lm_eval.utils.env`, read by `lm_eval.utils.apply_template` at each call), through which a
+    template reaches Python objects and runs code: `{{ cycler.__init__.__globals__.os.system(
+    ...) }}`. That environment is replaced here by `jinja2.sandbox.SandboxedEnvironment` with
+    the same settings, and restored on exit.
+
+    Why a sandbox rather than refusing templates that spell a dunder attribute: the sandbox
+    checks each attribute access and call on the actual object while rendering, so it also
+    stops names built at run time (`attr('_' * 2 ~ 'class' ~ '_' * 2)`), subscripts
+    (`x['__class__']`), and private or unsafe attributes that a text scan would have to
+    enumerate; a template that reaches for one raises `jinja2.exceptions.SecurityError`.
+    lm-eval's own templates only read document fields and call plain methods, which the
+    sandbox allows, so they render unchanged.
+
+    Raises ValueError (one line) when this lm_eval renders templates some other way (no
+    module-level environment, or the probe `{{ ''.__class__ }}` still renders): then templates
+    cannot be sandboxed and the caller must trust the task files."""
+    import jinja2
+    from jinja2.exceptions import SecurityError
+    from lm_eval import utils as lm_utils
+    original = getattr(lm_utils, "env", None)
+    if not isinstance(original, jinja2.Environment) or not callable(
+            getattr(lm_utils, "apply_template", None)):
+        raise ValueError("--include-path: this lm_eval version renders task templates in a way "
+                         "that cannot be sandboxed; pass --allow-task-code if you trust the "
+                         "directory's templates")
+    lm_utils.env = _sandbox_like(original)
+    try:
+        try:
+            lm_utils.apply_template(_PROBE, {})
+        except SecurityError:
+            pass
+        else:
+            raise ValueError("--include-path: this lm_eval version's templates escape the Jinja "
+                             "sandbox; pass --allow-task-code if you trust the directory's "
+                             "templates")
+        yield
+    finally:
+        lm_utils.env = original
 
 
 def task_manager(include_path=None, names: Sequence[str] | None = None):
@@ -221,15 +296,19 @@ def _finite_or_none(value):
 
 def run_tasks(harness: HarnessModel, tasks: Sequence[str], *, num_fewshot: int | None = None,
               limit: int | None = None, include_path=None, bootstrap_iters: int = 100000,
-              manager=None) -> dict:
+              manager=None, sandbox: bool = True) -> dict:
     """Run lm-eval `tasks` on `harness` -> `{"results": {task: {metric: value}}, "n_shot":
     {task: n}, "versions": {task: v}, "n_truncated": int}`.
 
-    Metric values stay as lm-eval computes them, except that a non-finite standard error
-    (e.g. one example) becomes None. Raises ValueError (one line) for an unknown task, a bad
-    `num_fewshot` / `limit`, and when a task's data cannot be loaded (offline, say).
+    `sandbox`: render the tasks' templates in a Jinja sandbox (`sandboxed_templates`; lm-eval's
+    own templates render the same in it); False only for task files you trust (the CLI turns
+    it off without `--include-path` and with `--allow-task-code`). Metric values stay as
+    lm-eval computes them, except that a non-finite standard error (e.g. one example) becomes
+    None. Raises ValueError (one line) for an unknown task, a bad `num_fewshot` / `limit`, a
+    template the sandbox stops, and when a task's data cannot be loaded (offline, say).
     """
     import lm_eval
+    from jinja2.exceptions import SecurityError
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ValueError(f"--num-fewshot: must be an integer >= 0, got {num_fewshot!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -237,9 +316,16 @@ def run_tasks(harness: HarnessModel, tasks: Sequence[str], *, num_fewshot: int |
     manager = manager or task_manager(include_path, tasks)
     names = check_task_names(tasks, manager)
     try:
-        out = lm_eval.simple_evaluate(model=LwmLM(harness), tasks=names, num_fewshot=num_fewshot,
-                                      limit=limit, task_manager=manager, log_samples=False,
-                                      bootstrap_iters=bootstrap_iters)
+        with sandboxed_templates() if sandbox else contextlib.nullcontext():
+            out = lm_eval.simple_evaluate(model=LwmLM(harness), tasks=names,
+                                          num_fewshot=num_fewshot, limit=limit,
+                                          task_manager=manager, log_samples=False,
+                                          bootstrap_iters=bootstrap_iters)
+    except SecurityError as err:
+        raise ValueError(f"--include-path: a template of --tasks {','.join(names)} reaches for "
+                         f"Python internals ({one_line(str(err), 120)}), which the template "
+                         "sandbox refuses; pass --allow-task-code if you trust the directory and "
+                         "its templates") from None
     except Exception as err:   # noqa: BLE001 -- only data-loading failures are rephrased
         if type(err).__module__.split(".")[0] not in _DATA_ERROR_MODULES and \
                 not isinstance(err, ConnectionError):

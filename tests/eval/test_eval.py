@@ -12,8 +12,8 @@ import pytest
 
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.data.binidx import write_binidx
-from lwm_jax.eval import (Scorer, add_eval_args, eval_main, evaluate_stream, last_word_accuracy,
-                          load_stream, read_jsonl, split_last_word)
+from lwm_jax.eval import (PairScorer, Scorer, add_eval_args, eval_main, evaluate_stream,
+                          last_word_accuracy, load_stream, read_jsonl, split_last_word)
 from lwm_jax.interop.native import save_native
 from lwm_jax.interop.params import model_from_params
 from lwm_jax.interop.testing import random_params
@@ -90,8 +90,8 @@ def test_lambada_accuracy_and_perplexity_match_direct_greedy(model, scorer):
     t2 = [int(lp[len(c) - 1].argmax()) for lp, c in zip(padded_logp(model, longer), longer)]
     targets = [[t1[0], t2[0]], [t1[1], (t2[1] + 1) % 256], [(t1[2] + 1) % 256], [t1[3]]]
     examples = list(zip(contexts, targets))
-    res = last_word_accuracy(scorer, examples, batch_size=3)
-    assert res.n == 4 and res.n_correct == 2       # rows 0 and 3: every target token is greedy
+    res = last_word_accuracy(PairScorer(model, batch_size=3), examples)
+    assert res.n == 4 and res.n_correct == 2 and res.n_truncated == 0       # rows 0 and 3: every target token is greedy
     seqs = [c + t for c, t in examples]
     direct = [-sum(lp[len(c) - 1 + j, tok] for j, tok in enumerate(t))
               for lp, (c, t) in zip(padded_logp(model, seqs), examples)]
@@ -111,7 +111,7 @@ def test_jsonl_parsing_and_last_word_split(tmp_path):
         read_jsonl(path)
 
 
-def test_eval_cli_end_to_end(tree, scorer, tmp_path):
+def test_eval_cli_end_to_end(tree, model, scorer, tmp_path):
     save_native(CFG, tree, tmp_path / "ckpt")
     (tmp_path / "t.txt").write_text(TEXT, encoding="utf-8")
     lines = [{"text": "Grüße aus Köln"}, {"text": "RWKV-7 liest Bytes"}]
@@ -124,9 +124,10 @@ def test_eval_cli_end_to_end(tree, scorer, tmp_path):
     tok = ByteTokenizer()
     want = evaluate_stream(scorer, load_stream(tmp_path / "t.txt", tok), tok, ctx_len=16)
     assert results["perplexity"]["bits_per_byte"] == pytest.approx(want.bits_per_byte, rel=1e-6)
+    assert results["perplexity"]["window"] == 16 and results["perplexity"]["state_carried"]
     examples = [(list(b"Gr\xc3\xbc\xc3\x9fe aus"), list(b" K\xc3\xb6ln")),
                 (list(b"RWKV-7 liest"), list(b" Bytes"))]
-    lam = last_word_accuracy(scorer, examples)
+    lam = last_word_accuracy(PairScorer(model), examples)
     assert results["lambada"]["perplexity"] == pytest.approx(lam.perplexity, rel=1e-6)
     printed = json.loads(out.getvalue())           # one object, the same as the --output file
     assert printed == json.loads((tmp_path / "r.json").read_text()) == results

@@ -17,7 +17,7 @@ from lm_eval.api.instance import Instance  # noqa: E402
 from lwm_jax.eval import add_eval_args, eval_main  # noqa: E402
 from lwm_jax.eval.harness import HarnessModel  # noqa: E402
 from lwm_jax.eval.lm_eval_adapter import (  # noqa: E402
-    LwmLM, check_task_code, find_task_code, run_tasks, task_manager)
+    LwmLM, check_task_code, find_task_code, run_tasks, sandboxed_templates, task_manager)
 from lwm_jax.interop.native import save_native  # noqa: E402
 from lwm_jax.interop.params import model_from_params  # noqa: E402
 from lwm_jax.interop.testing import random_params  # noqa: E402
@@ -197,3 +197,75 @@ def test_allow_task_code_without_include_path_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert status == 2 and len(err) == 1 and "--allow-task-code" in err[0], err
     assert "--include-path" in err[0]
+
+
+def template_task_dir(root, doc_to_text: str):
+    """A plain multiple-choice task (no Python files, no tags) whose doc_to_text is
+    `doc_to_text`: the only way it can run code is through its Jinja template."""
+    root.mkdir()
+    (root / "rows.jsonl").write_text(json.dumps(QUESTIONS[0]) + "\n")
+    (root / "jinja.yaml").write_text(
+        f"task: jinja\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {root / 'rows.jsonl'}\n  cache_dir: {root / 'hf_cache'}\ntest_split: test\n"
+        f"output_type: multiple_choice\ndoc_to_text: {json.dumps(doc_to_text)}\n"
+        "doc_to_choice: '{{choices}}'\ndoc_to_target: '{{label}}'\n")
+    return root
+
+
+def test_template_code_is_stopped_unless_allow_task_code(tree, tmp_path, capsys):
+    """The template calls os.makedirs through Jinja's globals (`cycler.__init__.__globals__`):
+    without --allow-task-code it is refused in one line and nothing ran; with the flag lm-eval
+    renders it as before and the directory appears (so the refusal is the sandbox's doing)."""
+    from lwm_jax.cli import main
+    save_native(CFG, tree, tmp_path / "ckpt")
+    marker = tmp_path / "template_ran"
+    root = template_task_dir(tmp_path / "tasks", "{{ cycler.__init__.__globals__.os.makedirs("
+                             + repr(str(marker)) + ", exist_ok=True) }}{{question}}")
+    assert find_task_code(str(root)) is None        # no Python files, no tags: not task code
+    argv = ["eval", "--checkpoint", str(tmp_path / "ckpt"), "--tasks", "jinja", "--include-path",
+            str(root), "--limit", "1", "--bootstrap-iters", "0", "--batch-size", "4",
+            "--ctx-len", "16"]
+    status = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()     # progress lines, then the error
+    errors = [line for line in err if line.startswith("lwm-jax eval: ")]
+    assert status == 2 and errors == err[-1:], err[-3:]
+    assert "template" in err[-1] and "sandbox" in err[-1] and "--allow-task-code" in err[-1]
+    assert not marker.exists()
+    assert main(argv + ["--allow-task-code"]) == 0
+    assert marker.is_dir()
+
+
+@pytest.mark.parametrize("template", [
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "{{ question|attr('_' * 2 ~ 'class' ~ '_' * 2) }}",      # the name built at run time
+    "{{ question['__cla' ~ 'ss__'] }}",                        # subscript, not attribute
+    "{{ lipsum.__globals__ }}",
+])
+def test_sandbox_stops_every_spelling(harness, tmp_path, template):
+    root = template_task_dir(tmp_path / "tasks", template + "{{question}}")
+    manager = task_manager(str(root), ["jinja"])
+    with pytest.raises(ValueError, match=r"--include-path: a template of --tasks jinja reaches "
+                                         r"for Python internals .*--allow-task-code"):
+        run_tasks(harness, ["jinja"], manager=manager, limit=1, bootstrap_iters=0, sandbox=True)
+
+
+def test_sandboxed_templates_keep_lm_evals_rendering():
+    """Inside the sandbox lm-eval's own templates render as before (its regex_replace filter,
+    StrictUndefined, kept trailing newlines), and its environment is back afterwards."""
+    import jinja2
+    from lm_eval import utils as lm_utils
+    original = lm_utils.env
+    doc = {"q": "a-b-c", "choices": ["x", "y"], "label": 1}
+    templates = ["{{ q|regex_replace('-', ' ') }}\n", "{{ choices[label] }}{{ choices|length }}",
+                 "{% for c in choices %}{{ loop.index }}. {{ c }}\n{% endfor %}",
+                 "{{ ['a', 'b'].index('b') }} {{ q.split('-')|join('+') }} {{ range(3)|list }}"]
+    plain = [lm_utils.apply_template(t, doc) for t in templates]
+    with sandboxed_templates():
+        assert lm_utils.env is not original
+        assert [lm_utils.apply_template(t, doc) for t in templates] == plain
+        with pytest.raises(jinja2.exceptions.UndefinedError):
+            lm_utils.apply_template("{{ missing }}", doc)
+        with pytest.raises(jinja2.exceptions.SecurityError):
+            lm_utils.apply_template("{{ q.__class__ }}", doc)
+    assert lm_utils.env is original
+    assert plain[0] == "a b c\n" and plain[1] == "y2"
