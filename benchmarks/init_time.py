@@ -3,7 +3,7 @@
 `lwm-jax train` and `benchmarks/train_step.py` start by initialising the state on the device
 (`TrainProgram.init_state`: one jitted program with the state's shardings as its outputs).
 On an H100 that took 67-69 s for the 1.5B config and more than 190 s for a 4.1B model over two
-GPUs (benchmarks/RESULTS.md, session 12), longer than compiling the train step. This times each
+GPUs (benchmarks/RESULTS-log.md, 2026-11-25), longer than compiling the train step. This times each
 part of it for one model:
 
 - `trace`: lowering the jitted init (building the model's modules on abstract values);

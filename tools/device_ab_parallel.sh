@@ -10,8 +10,8 @@
 # (`.` for this tree; snapshot others under .peer/, which is carried, e.g.
 #   mkdir -p .peer/t_x && git archive REV lwm_jax | tar -x -C .peer/t_x
 # and patch that copy), XLA_FLAGS the flags its process gets (spaces allowed: quote the variant).
-# Session 18 ran this rotation as one-off scripts before the tool existed; as the tool
-# (benchmarks/RESULTS.md, session 18):
+# The 2026-11-26 measurements (tree 5bbb32c) ran this rotation as one-off scripts before the tool existed; as the tool
+# (benchmarks/RESULTS-log.md, 2026-11-26, 5bbb32c):
 #   bash tools/device_ab_parallel.sh 0.1b 2 base=. norms=.peer/t_norms mixes=.peer/t_mixes \
 #     nm=.peer/t_nm -- --steps 10
 #   bash tools/device_ab_parallel.sh 0.1b 2 base=. "lt=.@--xla_gpu_enable_cublaslt=true" \

@@ -61,7 +61,7 @@ BIG="model.n_layer=32 model.n_embd=$big_c runtime.remat=true runtime.scan_layers
 # XLA flag sets of the 1.5B data-parallel sweeps (docs/distributed.md says what each does)
 OV="--xla_gpu_enable_latency_hiding_scheduler=true --xla_gpu_enable_pipelined_all_reduce=true"
 LIM="--xla_gpu_experimental_parallel_collective_overlap_limit=2"
-BEST="$OV $LIM --xla_gpu_all_reduce_combine_threshold_bytes=4194304"     # kept (session 14)
+BEST="$OV $LIM --xla_gpu_all_reduce_combine_threshold_bytes=4194304"     # kept (2026-11-25, two H100s)
 two15() { case_ 150 0,1 1.5b --steps 8 --set train.batch_size=4 mesh.data=2; }   # 1.5B, 2 GPUs
 # Time per case on a fresh H100 (2026-11-25): 1.5B init 6-9 s (63 s before the QRs ran one
 # matrix at a time), compile 29-40 s; 4.1B over two GPUs init 10 s, compile 32 s; the 1.5B

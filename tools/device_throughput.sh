@@ -6,7 +6,7 @@
 #   bash tools/device_throughput.sh train MODEL [..]  # FLA amp first (autotune), then ours bf16-mixed, same call
 #                                                    # (extra args: train_step.py's, e.g. the 1.5B runtime
 #                                                    # of RESULTS.md: --set runtime.scan_layers=false
-#                                                    # runtime.remat=false (session 18);
+#                                                    # runtime.remat=false (since 2026-11-26);
 #                                                    # FLA_S=seconds caps FLA's run, default 420)
 #   bash tools/device_throughput.sh peer-tune MODEL [S] # FLA alone for S seconds (540), to keep its
 #                                                    # autotuning (see peer())

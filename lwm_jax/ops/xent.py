@@ -13,7 +13,7 @@ fusions, the statistics from one variadic reduction (`max_argmax_logsumexp`, ~2.
 pass 1 reads the row block by block for the statistics, pass 2 reads it again, last block
 first (the blocks pass 1 read last are the likeliest to still be in L2), and writes the
 gradient in `grad_dtype`: the same bytes (two reads, one write) at ~2.9 TB/s on an H100
-(benchmarks/xent.py; step numbers in benchmarks/RESULTS.md, session 19).
+(benchmarks/xent.py; step numbers in benchmarks/RESULTS-log.md, 2026-11-26, base bc92866).
 A NaN or +inf logit makes the row's `lse` NaN and a target outside [0, V) its `target` NaN,
 so the loss is NaN (as in the XLA form) and the step's non-finite guard skips it.
 """
