@@ -121,15 +121,23 @@ def _params_of(model_or_path, format: str | None) -> tuple[ModelConfig, dict]:
     return cfg, params.params_from_model(model_or_path)
 
 
+# The tokenizer a model of each vocabulary size is taken to use when none is named (the same
+# rule as `lwm-jax generate`): byte-level for 256 ids (the quickstart `lwm-jax train`), World
+# for 65536 (the released RWKV-7 models).
+AUTO_TOKENIZER = {256: "byte", WORLD_VOCAB_SIZE: "world"}
+
+
 def _export_tokenizer(tokenizer, cfg):
-    """The tokenizer whose files an HF export gets: "auto" = World for a 65536-id model (None,
-    with a warning, when no World vocabulary is installed; None for other sizes), None = none,
-    a spec string (`lwm_jax.tokenizers.get_tokenizer`) or a tokenizer object."""
+    """The tokenizer whose files an HF export gets: "auto" = `AUTO_TOKENIZER` by the model's
+    vocabulary size (None for other sizes, and, with a warning, when no World vocabulary is
+    installed), None = none, a spec string (`lwm_jax.tokenizers.get_tokenizer`) or a tokenizer
+    object."""
     if tokenizer == "auto":
-        if cfg.vocab_size != WORLD_VOCAB_SIZE:
+        spec = AUTO_TOKENIZER.get(cfg.vocab_size)
+        if spec is None:
             return None
         try:
-            return get_tokenizer("world")
+            return get_tokenizer(spec)
         except FileNotFoundError as err:
             warnings.warn(f"export: no tokenizer files written ({err})", stacklevel=3)
             return None
@@ -144,9 +152,9 @@ def export(model_or_dir, output: str | os.PathLike, format: str = "rwkv-pth",
     format "rwkv-pth": `output` is the `.pth` file; dtype "bf16" (default, as released) or "f32".
     format "hf": `output` is a directory; dtype "f32" (default) or "bf16"; `max_shard_bytes`
     splits the weights into shards with a `model.safetensors.index.json`; `tokenizer` ("auto":
-    the World tokenizer for a 65536-id model; None; a spec such as "world" or
-    "hf:/path/tokenizer.json"; or a tokenizer) adds its files (`tokenizer.json`, ...), so that
-    transformers' `AutoTokenizer` loads the directory.
+    the byte-level tokenizer for a 256-id model, World for a 65536-id one; None; a spec such as
+    "byte", "world" or "hf:/path/tokenizer.json"; or a tokenizer) adds its files
+    (`tokenizer.json`, ...), so that transformers' `AutoTokenizer` loads the directory.
     The output path and (for rwkv-pth) the torch install are checked before anything is read;
     every problem is a one-line ValueError (ImportError when torch is missing).
     """

@@ -2,8 +2,13 @@
 
 The end-of-document id: `eod_token` when given (looked up in the vocabulary), else the special
 token whose text comes first in `_EOD_NAMES` (GPT-NeoX / Pile tokenizers, which RWKV-4 used, have
-`<|endoftext|>` = 0; Llama 2 has `</s>` = 2). A tokenizer with none of these raises, asking for
-`eod_token` (guessing e.g. `<unk>` or `<pad>` would silently corrupt document boundaries).
+`<|endoftext|>` = 0; Llama 2 has `</s>` = 2; the byte-level files `lwm-jax export` writes have
+the NUL character = 0, `lwm_jax.tokenizers.hf_files`). A tokenizer with none of these raises,
+asking for `eod_token` (guessing e.g. `<unk>` or `<pad>` would silently corrupt document
+boundaries).
+
+The file is read by Python and parsed from text (`Tokenizer.from_str`), so a path that is not
+valid UTF-8 (a directory name in another encoding) works as well as any other.
 """
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-_EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>")
+_EOD_NAMES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|im_end|>", "<|eot_id|>",
+              "\x00")
 
 
 def _import_tokenizers():
@@ -37,7 +43,12 @@ class HFTokenizer:
         if not self.path.is_file():
             raise FileNotFoundError(f"hf: tokenizer file {self.path} not found (pass hf:/path/to/tokenizer.json)")
         try:
-            self._tok = tokenizers.Tokenizer.from_file(str(self.path))
+            text = self.path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"hf: {self.path} is not UTF-8 text (byte {e.start}); give a "
+                             "tokenizers JSON file") from None
+        try:
+            self._tok = tokenizers.Tokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception on malformed JSON
             raise ValueError(f"hf: cannot load {self.path} as a tokenizers JSON file ({e})") from None
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))

@@ -18,6 +18,21 @@ World (`WorldTokenizer`) -> `tokenizer.json` that reproduces World's greedy long
   `<|endoftext|>` gets id 0 for it, as special tokens do in every Hugging Face tokenizer.
   The World vocabulary file itself is written too (`rwkv_vocab_v20230424.txt`, for `world:`
   specs and RWKV tools).
+Byte-level (`ByteTokenizer`: id = UTF-8 byte value, no offset, id 0 = the NUL byte = end of
+document) -> `tokenizer.json` that gives exactly our ids for every text:
+  1. pre-tokenizer `ByteLevel` (no prefix space, no regex) as above, the whole text one piece;
+  2. model `BPE` with no merges and the 256 byte characters as its vocabulary, id = byte value:
+     each byte is one token;
+  3. decoder `ByteLevel`: ids -> bytes -> text, an invalid UTF-8 sequence -> U+FFFD, as
+     `ByteTokenizer.decode` (both replace each maximal invalid subpart by one U+FFFD).
+  Id 0 is the special token whose text is the NUL character (U+0000) itself, so the files can
+  name an end-of-document token (bos = eos = pad) without changing any encoding: NUL in a text
+  is matched as that special token, which is id 0, the id the byte gives anyway, and it
+  decodes back to NUL. A named token such as `<|endoftext|>` would instead turn that literal
+  text into id 0, unlike `ByteTokenizer`. (`tokenizers` numbers a special token by the
+  vocabulary entry of the same text, so the vocabulary lists NUL, not byte 0's `ByteLevel`
+  character, for id 0; NUL never reaches the model, being matched first.)
+  `skip_special_tokens=True` drops id 0, the end of document, when decoding.
 A Hugging Face tokenizer (`HFTokenizer`) -> its `tokenizer.json`, copied.
 """
 from __future__ import annotations
@@ -27,10 +42,12 @@ import os
 import shutil
 from pathlib import Path
 
+from lwm_jax.tokenizers.byte import ByteTokenizer
 from lwm_jax.tokenizers.hf import HFTokenizer
 from lwm_jax.tokenizers.world import VOCAB_FILENAME, WorldTokenizer, read_world_vocab
 
 EOD_TOKEN = "<|endoftext|>"
+BYTE_EOD_TOKEN = "\x00"
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}")
@@ -98,6 +115,26 @@ def world_tokenizer_json(tokenizer: WorldTokenizer) -> dict:
     }
 
 
+def byte_tokenizer_json() -> dict:
+    """The `tokenizer.json` document for `ByteTokenizer` (see the module docstring)."""
+    chars = byte_chars()
+    vocab = {BYTE_EOD_TOKEN if b == 0 else chars[b]: b for b in range(256)}
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                  "use_regex": False}
+    return {
+        "version": "1.0", "truncation": None, "padding": None,
+        "added_tokens": [{"id": 0, "content": BYTE_EOD_TOKEN, "single_word": False,
+                          "lstrip": False, "rstrip": False, "normalized": False,
+                          "special": True}],
+        "normalizer": None, "pre_tokenizer": byte_level, "post_processor": None,
+        "decoder": byte_level,
+        "model": {"type": "BPE", "dropout": None, "unk_token": None,
+                  "continuing_subword_prefix": None, "end_of_word_suffix": None,
+                  "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
+                  "vocab": vocab, "merges": []},
+    }
+
+
 def tokenizer_config(eod_token: str = EOD_TOKEN) -> dict:
     """`tokenizer_config.json` for `transformers`: the fast tokenizer class, no automatic
     special tokens, the end-of-document token as bos / eos / pad."""
@@ -109,10 +146,14 @@ def tokenizer_config(eod_token: str = EOD_TOKEN) -> dict:
 def write_tokenizer_files(tokenizer, out_dir: str | os.PathLike) -> list[Path]:
     """Write `tokenizer`'s Hugging Face files into `out_dir` (which must exist); returns their
     paths. A World tokenizer gets `tokenizer.json`, `tokenizer_config.json` and its vocabulary
-    file; an `HFTokenizer` its `tokenizer.json` (copied) and a `tokenizer_config.json`.
-    Raises ValueError (one line) for a tokenizer that has no such files (byte-level)."""
+    file; a `ByteTokenizer` and an `HFTokenizer` get `tokenizer.json` (the latter's copied) and a
+    `tokenizer_config.json`. Raises ValueError (one line) for any other tokenizer."""
     root = Path(out_dir)
-    if isinstance(tokenizer, WorldTokenizer):
+    if isinstance(tokenizer, ByteTokenizer):
+        doc, eod = byte_tokenizer_json(), BYTE_EOD_TOKEN
+        (root / TOKENIZER_JSON).write_text(json.dumps(doc) + "\n", encoding="utf-8")
+        written = [root / TOKENIZER_JSON]
+    elif isinstance(tokenizer, WorldTokenizer):
         doc, eod = world_tokenizer_json(tokenizer), EOD_TOKEN
         (root / TOKENIZER_JSON).write_text(json.dumps(doc, ensure_ascii=False) + "\n",
                                            encoding="utf-8")
@@ -124,7 +165,7 @@ def write_tokenizer_files(tokenizer, out_dir: str | os.PathLike) -> list[Path]:
         written = [root / TOKENIZER_JSON]
     else:
         raise ValueError(f"tokenizer: {getattr(tokenizer, 'name', tokenizer)!r} has no Hugging "
-                         "Face tokenizer files to write (supported: world, hf:...)")
+                         "Face tokenizer files to write (supported: byte, world, hf:...)")
     (root / TOKENIZER_CONFIG).write_text(json.dumps(tokenizer_config(eod), indent=2) + "\n",
                                          encoding="utf-8")
     return written + [root / TOKENIZER_CONFIG]

@@ -244,3 +244,63 @@ def test_hf_without_clear_eod_asks_for_it(tmp_path):
 def test_bad_specs(spec):
     with pytest.raises(ValueError, match="tokenizer spec"):
         get_tokenizer(spec)
+
+
+# ------------------------------------------------------------------------------ byte as HF files
+# Byte strings whose UTF-8 decoding goes wrong in every way a decoder can (a stray continuation
+# byte, a cut sequence, an overlong form, an encoded surrogate, a code point past U+10FFFF):
+# the files' ByteLevel decoder must replace exactly what `ByteTokenizer.decode` replaces.
+INVALID_UTF8 = [b"\xff", b"\xe2\x82", b"\xe2\x82A", b"\xf0\x9f\x98", b"\xc0\xaf",
+                b"\xed\xa0\x80", b"\x80\x80\x80", b"\xf4\x90\x80\x80", b"ok\xe4\xb8", b"\xfe\xfe"]
+BYTE_TEXTS = ["plain ASCII text", "", " leading space", "tabs\tand\nnewlines\r\n",
+              SAMPLE, "NUL \x00 inside", "<|endoftext|> is just text here",
+              "\u0100 is the ByteLevel character of byte 0", "\x7f\x80\u00ff\u0100\uffff",
+              _random_text(3, 3000)]
+
+
+def test_byte_tokenizer_files_give_our_ids(tmp_path):
+    """`write_tokenizer_files(ByteTokenizer())` writes files that `tokenizers`, our
+    `HFTokenizer` and transformers' `AutoTokenizer` all read as the byte tokenizer: the same
+    ids for any text, the same text (U+FFFD where the bytes are not UTF-8) for any ids, id 0 as
+    bos/eos/pad."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from lwm_jax.tokenizers.hf_files import write_tokenizer_files
+    ours = ByteTokenizer()
+    written = write_tokenizer_files(ours, tmp_path)
+    assert sorted(p.name for p in written) == ["tokenizer.json", "tokenizer_config.json"]
+    raw = tokenizers.Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    wrapped = HFTokenizer(tmp_path / "tokenizer.json")
+    assert (wrapped.vocab_size, wrapped.eod_id) == (256, 0)
+    rng = np.random.default_rng(7)
+    id_lists = [list(b) for b in INVALID_UTF8] + [list(range(256))] + [
+        [int(i) for i in rng.integers(0, 256, n)] for n in (1, 2, 3, 50, 500)]
+    for text in BYTE_TEXTS:
+        ids = ours.encode(text)
+        assert raw.encode(text, add_special_tokens=False).ids == ids, text[:40]
+        assert wrapped.encode(text) == ids, text[:40]
+        assert raw.decode(ids, skip_special_tokens=False) == text
+    for ids in id_lists:
+        assert raw.decode(ids, skip_special_tokens=False) == ours.decode(ids), ids[:8]
+        assert wrapped.decode(ids) == ours.decode(ids)
+    transformers = pytest.importorskip("transformers")
+    auto = transformers.AutoTokenizer.from_pretrained(str(tmp_path))   # local files only
+    for text in BYTE_TEXTS:
+        assert auto(text)["input_ids"] == ours.encode(text), text[:40]
+        assert auto.decode(ours.encode(text)) == text
+    for ids in id_lists:
+        assert auto.decode(ids) == ours.decode(ids), ids[:8]
+    assert (auto.eos_token_id, auto.bos_token_id, auto.pad_token_id) == (0, 0, 0)
+    assert auto.decode([104, 0, 105], skip_special_tokens=True) == "hi"   # id 0 = end of doc
+
+
+def test_hf_tokenizer_file_under_a_non_utf8_directory(tmp_path):
+    """A `hf:` tokenizer file whose directory name is not UTF-8 loads (the Rust loader takes
+    only UTF-8 paths, so the file is read by Python)."""
+    pytest.importorskip("tokenizers")
+    import os
+    from lwm_jax.tokenizers.hf_files import write_tokenizer_files
+    folder = tmp_path / os.fsdecode(b"tok\xff")
+    folder.mkdir()
+    write_tokenizer_files(ByteTokenizer(), folder)
+    tok = get_tokenizer(f"hf:{folder / 'tokenizer.json'}")
+    assert tok.encode("h\u00e9") == [104, 0xC3, 0xA9] and tok.eod_id == 0
