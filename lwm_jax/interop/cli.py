@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 from lwm_jax.cli_args import add_convert_args, add_export_args  # re-exported (API)
+from lwm_jax.interop.orbax_files import shown
 
 __all__ = ["add_convert_args", "add_export_args", "convert_main", "export_main"]
 
@@ -17,7 +18,7 @@ def convert_main(args: argparse.Namespace) -> None:
     """Run `lwm-jax convert` (see `lwm_jax.interop.api.convert` for what it raises)."""
     from lwm_jax.interop.api import convert
     out = convert(args.input, args.output_dir, format=args.format)
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")     # a path that is not UTF-8 prints as \xNN, never raises
 
 
 def export_main(args: argparse.Namespace) -> None:
@@ -28,4 +29,4 @@ def export_main(args: argparse.Namespace) -> None:
     shard = args.max_shard_mb * 2**20 if args.max_shard_mb else None
     out = export(args.input, args.output, format=args.format, dtype=args.dtype,
                  input_format=args.input_format, max_shard_bytes=shard)
-    print(f"wrote {out}")
+    print(f"wrote {shown(out)}")

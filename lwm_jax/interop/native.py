@@ -8,6 +8,11 @@ Layout of `<dir>`:
 This is what `lwm-jax convert` writes and what `load_pretrained(dir)` reads back. Training runs
 (`lwm_jax.train.checkpoint`) keep full train states in their own step directories; their params
 subtree is read by `api.load_pretrained` through `read_run_params`.
+
+Before orbax restores `params/`, its metadata files are checked (`orbax_files.pytree_damage`),
+so a truncated or overwritten one is a one-line error naming it. A directory whose path is not
+valid UTF-8 is written and read through a UTF-8 alias (`orbax_files.utf8_path`): tensorstore
+takes no other path.
 """
 from __future__ import annotations
 
@@ -20,9 +25,9 @@ import yaml
 
 from lwm_jax.models.rwkv7.config import ModelConfig, upgrade_saved_model
 from lwm_jax.interop import params
+from lwm_jax.interop.orbax_files import pytree_damage, restore_detail, utf8_path
 from lwm_jax.models.registry import DEFAULT_ARCH, arch_of_config, get_arch
-from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
-                                one_line, quote_path)
+from lwm_jax.user_input import check_output_dir, load_yaml_file, quote_path
 
 FORMAT = "lwm_jax-params/1"
 CONFIG = "config.yaml"
@@ -57,16 +62,10 @@ def read_config(path: str | os.PathLike) -> ModelConfig:
 
 
 def restore_failed(ckpt_dir: str | os.PathLike, err: Exception) -> ValueError:
-    """The one-line error for an orbax restore of `ckpt_dir` that raised `err` (also silences
-    the 'Event loop is closed' noise orbax's threads print after such a failure)."""
-    ignore_closed_event_loop_noise()
-    text = str(err)
-    cut = text.find("[tensorstore_spec=")
-    detail = text[:cut] if cut > 0 else text
-    if not detail.strip() or "Event loop is closed" in detail:
-        detail = f"{type(err).__name__} while reading it"
+    """The one-line error for an orbax restore of our `params/` at `ckpt_dir` that raised
+    `err`."""
     return ValueError(f"checkpoint {quote_path(ckpt_dir)}: cannot restore the orbax checkpoint "
-                      f"({one_line(detail, 240)}); it is damaged or incomplete: re-create it "
+                      f"({restore_detail(err)}); it is damaged or incomplete: re-create it "
                       "(lwm-jax convert) or use another checkpoint")
 
 
@@ -82,8 +81,9 @@ def save_native(cfg: ModelConfig, tree: dict, out_dir: str | os.PathLike, source
     root.mkdir(parents=True, exist_ok=True)
     values = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(root / PARAMS, values)
-    checkpointer.wait_until_finished()
+    with utf8_path(root, "output_dir") as view:
+        checkpointer.save(view / PARAMS, values)
+        checkpointer.wait_until_finished()
     arch = arch_of_config(cfg).name
     doc = {"format": FORMAT, **({} if arch == DEFAULT_ARCH else {"arch": arch}),
            "model": cfg.to_dict(), "source": str(source)}
@@ -104,16 +104,23 @@ def check_target(out_dir: str | os.PathLike) -> Path:
 def restore_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> dict:
     """Restore a params tree saved by orbax at `ckpt_dir`, shaped for `cfg` (float32 NumPy).
 
-    Raises ValueError (one line, `restore_failed`) when orbax cannot read it, and when a
-    parameter holds NaN/inf.
+    Raises ValueError (one line naming the directory) for a damaged metadata file
+    (`pytree_damage`), when orbax cannot read it (`restore_failed`), and when a parameter holds
+    NaN/inf.
     """
     import orbax.checkpoint as ocp
+    problem = pytree_damage(ckpt_dir)
+    if problem is not None:
+        raise ValueError(f"checkpoint {quote_path(ckpt_dir)}: cannot restore the orbax "
+                         f"checkpoint ({problem}); it is damaged or incomplete: re-create it "
+                         "(lwm-jax convert) or restore it from a copy")
     target = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32),
                           params.param_shapes(cfg))
-    try:
-        tree = ocp.StandardCheckpointer().restore(Path(ckpt_dir).absolute(), target)
-    except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
-        raise restore_failed(ckpt_dir, err) from None
+    with utf8_path(Path(ckpt_dir).absolute(), "checkpoint") as view:
+        try:
+            tree = ocp.StandardCheckpointer().restore(view, target)
+        except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
+            raise restore_failed(ckpt_dir, err) from None
     tree = jax.tree.map(lambda x: np.asarray(x, np.float32), tree)
     params.check_finite(tree, f"checkpoint {quote_path(ckpt_dir)}")
     return tree

@@ -5,6 +5,14 @@ step directories `<checkpoint dir>/<step>/state` written by `lwm_jax.train.check
 the whole `TrainState`). Only the `params` subtree is restored (orbax partial restore), as
 float32 NumPy, so the Adam moments are never loaded. The checkpoint directory is
 `checkpoint.dir` from the config when that exists, else `<run dir>/checkpoints`.
+
+The step read is the newest complete one. When its metadata files are damaged
+(`orbax_files.step_damage`, the same test `lwm-jax train` applies before it resumes) or orbax
+cannot restore it, the error is one line naming the step directory and the previous complete
+step, which is read once the damaged directory is removed or restored: a reader never falls
+back to an older step on its own, since that would silently give other weights than the
+newest. (`lwm-jax train` does resume from the newest intact step, with a warning:
+`lwm_jax.train.checkpoint`.)
 """
 from __future__ import annotations
 
@@ -16,7 +24,8 @@ import numpy as np
 
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.interop import params
-from lwm_jax.interop.native import model_config_from, restore_failed
+from lwm_jax.interop.native import model_config_from
+from lwm_jax.interop.orbax_files import restore_detail, step_damage, utf8_path
 from lwm_jax.user_input import load_yaml_file, quote_path
 
 CONFIG = "config.yaml"
@@ -61,8 +70,9 @@ def is_run_dir(path: str | os.PathLike) -> bool:
 def read_run_params(path: str | os.PathLike, step: int | None = None) -> tuple[ModelConfig, dict]:
     """`(ModelConfig, params tree)` of `step` (default: the newest complete one) of a run.
 
-    Raises ValueError (one line) for a missing or damaged `config.yaml`, no complete step, an
-    orbax checkpoint that cannot be restored (`native.restore_failed`) and NaN/inf parameters.
+    Raises ValueError (one line) for a missing or damaged `config.yaml`, no complete step, a
+    step whose metadata is damaged or that orbax cannot restore (naming the step directory and
+    the previous complete step: see the module docstring) and NaN/inf parameters.
     """
     import orbax.checkpoint as ocp
     run_dir = Path(path)
@@ -83,14 +93,33 @@ def read_run_params(path: str | os.PathLike, step: int | None = None) -> tuple[M
     target = {"params": jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, np.float32), shapes)}
     restore_args = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray, dtype=np.float32),
                                 target)
-    state_dir = (checkpoint_dir(run_dir) / str(step) / "state").absolute()
-    try:
-        out = ocp.PyTreeCheckpointer().restore(
-            state_dir, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
-                                                   partial_restore=True))
-        tree = jax.tree.map(lambda x: np.asarray(x, np.float32), out["params"])
-    except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
-        raise restore_failed(state_dir, err) from None
+    step_dir = (checkpoint_dir(run_dir) / str(step)).absolute()
+    state_dir = step_dir / "state"
+    problem = step_damage(step_dir)
+    if problem is not None:
+        raise ValueError(f"checkpoint {quote_path(step_dir)}: {problem}; the step is damaged: "
+                         f"{_damaged_fix(run_dir, steps, step)}")
+    with utf8_path(state_dir, "checkpoint") as view:
+        try:
+            out = ocp.PyTreeCheckpointer().restore(
+                view, args=ocp.args.PyTreeRestore(item=target, restore_args=restore_args,
+                                                  partial_restore=True))
+            tree = jax.tree.map(lambda x: np.asarray(x, np.float32), out["params"])
+        except Exception as err:     # orbax/tensorstore raise many types for a damaged directory
+            raise ValueError(f"checkpoint {quote_path(step_dir)}: orbax cannot restore it "
+                             f"({restore_detail(err)}); if the step is damaged, "
+                             f"{_damaged_fix(run_dir, steps, step)}") from None
     params.check_tree(cfg, tree, f"checkpoint {str(state_dir)!r}")
     params.check_finite(tree, f"checkpoint {quote_path(state_dir)}")
     return cfg, tree
+
+
+def _damaged_fix(run_dir: Path, steps: list[int], step: int) -> str:
+    """What to do about damaged step `step` of a run whose complete steps are `steps`."""
+    older = [s for s in steps if s < step]
+    if not older:
+        return ("restore that directory from a copy, or train again (it is the run's only "
+                "checkpoint)")
+    previous = checkpoint_dir(run_dir) / str(older[-1])
+    return (f"remove or restore that directory (the previous complete checkpoint, step "
+            f"{older[-1]} in {quote_path(previous)}, is read once it is gone)")

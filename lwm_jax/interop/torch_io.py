@@ -6,6 +6,10 @@ tensors and plain containers; anything else (a `__reduce__` that would call `os.
 class) is refused before it can run, and reported as a one-line `ValueError`. Tensors that
 cannot stand for dense real weights (meta, sparse, nested, quantized or complex tensors) are
 refused by name instead of being converted lossily.
+
+Torch hands a path to C++ as UTF-8, which a name that is not valid UTF-8 (bytes of another
+encoding, carried in a Python str as surrogates) cannot be, so such a file is opened by Python
+and torch gets the open file; reading it that way is not memory-mapped (the whole file is read).
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from typing import Mapping
 
 import numpy as np
 
+from lwm_jax.interop.orbax_files import is_utf8
 from lwm_jax.user_input import one_line
 
 TORCH_DTYPES = ("bf16", "f32")
@@ -59,14 +64,21 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
         return _load(torch, path)
 
 
+def _torch_load(torch, path):
+    if not is_utf8(path):             # see the module docstring
+        with open(path, "rb") as f:
+            return torch.load(f, map_location="cpu", weights_only=True)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except RuntimeError as err:  # legacy (non-zip) files cannot be memory-mapped
+        if "mmap" not in str(err):
+            raise
+        return torch.load(path, map_location="cpu", weights_only=True)
+
+
 def _load(torch, path) -> dict[str, np.ndarray]:
     try:
-        try:
-            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except RuntimeError as err:  # legacy (non-zip) files cannot be memory-mapped
-            if "mmap" not in str(err):
-                raise
-            obj = torch.load(path, map_location="cpu", weights_only=True)
+        obj = _torch_load(torch, path)
     except pickle.UnpicklingError as err:
         raise ValueError(_refusal(path, err)) from None
     except Exception as err:    # truncated / garbled: zip, pickle or storage errors of any type
@@ -128,7 +140,11 @@ def save_state_dict(arrays: Mapping[str, np.ndarray], path: str | os.PathLike,
     tensors = {name: torch.from_numpy(np.array(a, dtype=np.float32, order="C")).to(tdtype)
                for name, a in arrays.items()}
     try:
-        torch.save(tensors, path)
+        if is_utf8(path):
+            torch.save(tensors, path)
+        else:                        # see the module docstring
+            with open(path, "wb") as f:
+                torch.save(tensors, f)
     except OSError:
         raise
     except Exception as err:      # torch reports I/O failures as RuntimeError

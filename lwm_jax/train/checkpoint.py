@@ -11,6 +11,26 @@ mid-save (even by SIGKILL) resumes from the newest COMPLETE checkpoint. Saves ar
 when `checkpoint.async` is true (the step loop continues while a background thread writes);
 `wait()` blocks until the last save is durable.
 
+Damaged checkpoints. A checkpoint's metadata files can be truncated or overwritten after it was
+written (a disk or copy fault, a hand edit; `lwm_jax.interop.orbax_files.step_damage` lists the
+files and what each must hold). Orbax reports such a file with a traceback from inside its
+parser, or, for a step's `_CHECKPOINT_METADATA`, logs an error and goes on, so `Checkpointer`
+checks the newest checkpoints when it opens the directory, before orbax sees them:
+  - the newest intact one is what a resume starts from. Each damaged one newer than it is moved
+    aside to `<step>.damaged` (never deleted: it may still be worth repairing) with a warning
+    naming it, its damaged file and the step resumed from. Never silently: a run that quietly
+    resumed from an older step would redo steps the user believes were done. Moving it aside is
+    needed, not only skipping it: orbax refuses to save at or below its newest step, so a
+    damaged step left in place would stop every later checkpoint up to it from being written;
+  - when no intact checkpoint is left, nothing is moved and the error is one line: starting the
+    run afresh over damaged checkpoints is for the user to choose (remove them);
+  - a multi-process run moves nothing (the other processes may be reading the directory): a
+    damaged step is a one-line error naming it and the newest intact step.
+A damaged array chunk, which the metadata cannot show, is found by the restore itself; the
+restore then falls back the same way (`Checkpointer.restore`). A remote `checkpoint.dir`
+(gs://) is not inspected and nothing there is moved; a restore that fails there is one line
+naming the step directory and the previous checkpoint.
+
 A save that fails for lack of space (at once, or later in the background thread, which then
 surfaces in the next `save`/`wait`) raises `CheckpointWriteError`: one line naming the
 directory and the newest complete checkpoint, the one a rerun resumes from. Orbax's unfinished
@@ -23,12 +43,14 @@ import contextlib
 import errno
 import logging
 import os
+import warnings
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 
 from lwm_jax.diagnostics.nonfinite import nonfinite_params
+from lwm_jax.interop.orbax_files import corrupt_data, restore_detail, step_damage
 from lwm_jax.loss_scale import all_finite
 from lwm_jax.train.config import CheckpointSection
 
@@ -80,10 +102,68 @@ class Checkpointer:
 
     def __init__(self, directory: str, cfg: CheckpointSection):
         self.directory = checkpoint_location(directory)
+        self.moved_aside: dict[int, str] = {}   # damaged step -> where it was moved
+        self._set_aside_damaged()
         options = ocp.CheckpointManagerOptions(
             max_to_keep=cfg.keep, create=True, enable_async_checkpointing=cfg.async_,
             cleanup_tmp_directories=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def _step_dirs(self) -> list[int]:
+        """Steps with a directory here, newest first (orbax's temporary directories and steps
+        moved aside are not numbers)."""
+        if "://" in self.directory or not os.path.isdir(self.directory):
+            return []
+        return sorted((int(name) for name in os.listdir(self.directory)
+                       if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))),
+                      reverse=True)
+
+    def _may_move(self) -> bool:
+        """Whether damaged steps may be moved aside here (see the module docstring)."""
+        return "://" not in self.directory and jax.process_count() == 1
+
+    def _move_aside(self, step: int, problem: str, resume_from: int, stacklevel: int) -> None:
+        """Rename damaged step `step` to `<step>.damaged` (`-2`, `-3`, ... when taken) and warn
+        (the warning points at the code that opened or restored the checkpoints)."""
+        source = os.path.join(self.directory, str(step))
+        target, n = source + ".damaged", 1
+        while os.path.lexists(target):
+            n += 1
+            target = f"{source}.damaged-{n}"
+        os.rename(source, target)
+        self.moved_aside[step] = target
+        warnings.warn(
+            f"checkpoint: step {step} in {self.directory} is damaged ({problem}); moved it to "
+            f"{target} and resuming from step {resume_from}, the newest intact checkpoint "
+            "(delete the moved directory once it is not needed)", RuntimeWarning,
+            stacklevel=stacklevel)
+
+    def _set_aside_damaged(self) -> None:
+        """Move the damaged checkpoints newer than the newest intact one aside (see the module
+        docstring); ValueError (one line) where that is not done."""
+        damaged: list[tuple[int, str]] = []
+        intact = None
+        for step in self._step_dirs():
+            problem = step_damage(os.path.join(self.directory, str(step)))
+            if problem is None:
+                intact = step
+                break
+            damaged.append((step, problem))
+        if not damaged:
+            return
+        newest, problem = damaged[0]
+        if intact is None:
+            raise ValueError(
+                f"checkpoint: every checkpoint in {self.directory} is damaged (step {newest}: "
+                f"{problem}); remove or restore them (with none left the run starts afresh), "
+                "or choose a new run_dir")
+        if not self._may_move():
+            raise ValueError(
+                f"checkpoint: step {newest} in {self.directory} is damaged ({problem}); remove "
+                f"or restore {os.path.join(self.directory, str(newest))} and run the same "
+                f"command again to resume from step {intact}, the newest intact checkpoint")
+        for step, problem in damaged:
+            self._move_aside(step, problem, intact, stacklevel=4)    # Checkpointer()'s caller
 
     def latest_step(self) -> int | None:
         """Step of the newest complete checkpoint, or None when there is none."""
@@ -141,11 +221,38 @@ class Checkpointer:
 
         `abstract_state`: pytree of `jax.ShapeDtypeStruct` with `.sharding` set (see
         `abstract_with_shardings`); arrays come back placed on those shardings.
+
+        When `step` proves damaged while it is read (an array chunk tensorstore cannot decode
+        or finds short, which the metadata checks cannot see), a single-process run moves it
+        aside with a warning, as a damaged metadata file is, and restores the next older
+        checkpoint instead: the returned state's own `step` says which one. Any other failure
+        (memory aside), and damage where nothing may be moved or nothing older exists, is a
+        one-line ValueError naming the step directory and the previous checkpoint.
         """
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                          data=ocp.args.JsonRestore()))
-        return out["state"], out["data"]
+        while True:
+            try:
+                out = self._manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
+                                                  data=ocp.args.JsonRestore()))
+                return out["state"], out["data"]
+            except Exception as err:
+                if isinstance(err, MemoryError) or "RESOURCE_EXHAUSTED" in str(err):
+                    raise
+                step_dir = os.path.join(self.directory, str(step))
+                older = [s for s in self.all_steps() if s < step]
+                problem = step_damage(step_dir) or corrupt_data(err)
+                if problem is not None and older and self._may_move():
+                    self._move_aside(step, problem, older[-1], stacklevel=3)   # restore's caller
+                    self._manager.reload()          # orbax forgets the step moved away
+                    step = older[-1]
+                    continue
+                then = (f"it then resumes from step {older[-1]}" if older
+                        else "with no older checkpoint it then starts afresh")
+                what = (f"is damaged ({problem}); " if problem is not None
+                        else f"cannot be restored ({restore_detail(err)}); if it is damaged, ")
+                raise ValueError(f"checkpoint: step {step} in {step_dir} {what}remove it or "
+                                 "restore it from a copy and run the same command again "
+                                 f"({then})") from None
 
     def wait(self) -> None:
         """Block until every pending asynchronous save is complete on disk."""
