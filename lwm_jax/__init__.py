@@ -4,7 +4,7 @@ Light imports only here; the model, ops and interop load on first use:
 
     from lwm_jax import ModelConfig, parse_policy, load_pretrained
     from lwm_jax.models.rwkv7 import RWKV7
-    from lwm_jax.ops import wkv7
+    from lwm_jax.ops.wkv7 import wkv7
 """
 from lwm_jax._lazy import lazy_getattr
 

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax import bf16_split
+from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 DTYPES: dict[str, Any] = {
     "f32": jnp.float32, "fp32": jnp.float32, "float32": jnp.float32,
@@ -63,11 +64,6 @@ DTYPES: dict[str, Any] = {
 MATMUL_PRECISIONS = ("default", "high", "highest")
 WKV_PRECISIONS = MATMUL_PRECISIONS + ("tf32x3",)
 LOSS_SCALES = ("none", "dynamic")
-# `jax.ad_checkpoint.checkpoint_name` of every `Policy.einsum` / `einsum_f32` result, in the
-# dtype the method returns it in. `matmul_outputs_saveable` keeps these values: under a 16-bit
-# policy that is the bf16/fp16 product, not the float32 accumulator it is rounded from (JAX's
-# `dots_with_no_batch_dims_saveable` keeps the accumulator: twice the memory per matmul).
-MATMUL_OUTPUT_NAME = "policy_matmul"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +80,7 @@ class Policy:
         every einsum/dot.
       loss_scale: "none" or "dynamic" (fp16 training: see `DynamicLossScale`).
       wkv_precision: precision name of the WKV7 op's in-chunk matmuls (passed to
-        `lwm_jax.ops.wkv7(..., precision=)`, one of `WKV_PRECISIONS`); None = "highest" if
+        `lwm_jax.ops.wkv7.wkv7(..., precision=)`, one of `WKV_PRECISIONS`); None = "highest" if
         `matmul_precision` is "highest", else "high".
     """
 

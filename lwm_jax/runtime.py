@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 WKV_IMPLS = ("auto", "pallas", "chunked", "recurrent")
-KERNEL_IMPLS = ("auto", "xla", "pallas", "interpret")   # the *_impl knobs (`kernel_chosen`)
+KERNEL_IMPLS = ("auto", "xla", "pallas", "interpret")   # = lwm_jax.ops.kernel_choice.IMPLS
 REMAT_POLICIES = ("full", "save_dots")
 
 
@@ -36,23 +36,24 @@ class Runtime:
         that spends a GPU's spare memory on speed (numbers in benchmarks/RESULTS.md).
       scan_layers: iterate the (always stacked) block parameters with `lax.scan` instead of a
         Python loop; a compile-time saver at 24+ layers. The parameter tree is the same either way.
-      ln_x_impl: the backward of RWKV-7's `ln_x` GroupNorm: "xla" (autodiff of the forward),
-        "pallas" (`lwm_jax.ops.group_norm`: one kernel), "interpret" (that kernel in the Pallas
-        interpreter, for tests) or "auto": "pallas" on one GPU when the shape allows it, else
-        "xla". The forward is the same either way. Under full remat "xla" peaked 3.6% lower
-        (0.1B, H100; the kernel 1.4% faster): benchmarks/RESULTS.md, session 23.
-      ffn_impl: RWKV-7 ChannelMix's `relu(x W_key)² W_value`: "xla" (`Policy.einsum` products
-        and a separate square), "pallas" (`lwm_jax.layers.squared_relu_mlp`: the square in the
-        key GEMM's epilogue, its gradient in the value weight's input-gradient GEMM),
-        "interpret" (those kernels interpreted, for tests) or "auto": "pallas" on one GPU under
-        a bf16 compute dtype when the shapes tile, else "xla". Same math; the kernels round
-        each result once from float32 (benchmarks/RESULTS.md, session 24).
-      norm_impl: RWKV-7's block LayerNorms (`ln1`, `ln2`): "xla" (`layers.norms.layer_norm`,
-        autodiff for the backward), "pallas" (`layers.norms.layer_norm_fused`: one kernel each
-        way over the transposed activations), "interpret" (for tests) or "auto": "pallas" on
-        one GPU under a bf16 compute dtype when tokens and channels tile and the model is at
-        least `ops.layer_norm.AUTO_MIN_CHANNELS` wide, else "xla" (1.5B: -1.5 ms a step,
-        +0.7 GiB; 0.1B: no faster; H100, benchmarks/RESULTS.md, session 25).
+      ln_x_impl: the backward of RWKV-7's `ln_x` GroupNorm, the `impl` of
+        `lwm_jax.ops.group_norm.group_norm`: "xla" (autodiff of the forward), "pallas" (one
+        kernel), "interpret" (that kernel in the Pallas interpreter, for tests) or "auto":
+        "pallas" on one GPU when the shape allows it, else "xla". The forward is the same
+        either way. Memory and time of each: benchmarks/RESULTS.md.
+      ffn_impl: RWKV-7 ChannelMix's `relu(x W_key)² W_value`, the `impl` of
+        `lwm_jax.ops.squared_relu_mlp.squared_relu_mlp`: "xla" (`Policy.einsum` products and a
+        separate square), "pallas" (the square in the key GEMM's epilogue, its gradient in the
+        value weight's input-gradient GEMM), "interpret" (those kernels interpreted, for tests)
+        or "auto": "pallas" on one GPU under a bf16 compute dtype when the shapes tile, else
+        "xla". Same math; the kernels round each result once from float32
+        (benchmarks/RESULTS.md).
+      norm_impl: RWKV-7's block LayerNorms (`ln1`, `ln2`), the `impl` of
+        `lwm_jax.ops.layer_norm.layer_norm`: "xla" (autodiff for the backward), "pallas" (one
+        kernel each way over the transposed activations), "interpret" (for tests) or "auto":
+        "pallas" on one GPU under a bf16 compute dtype when tokens and channels tile and the
+        model is at least `ops.layer_norm.AUTO_MIN_CHANNELS` wide, else "xla" (where the
+        kernels measured faster: benchmarks/RESULTS.md).
     """
 
     wkv_impl: str = "auto"
@@ -105,23 +106,3 @@ class Runtime:
 
 RUNTIME_FIELDS = tuple(f.name for f in dataclasses.fields(Runtime))
 
-
-def kernel_chosen(field: str, impl: str, *, one_device: bool, on_gpu: bool, fits: bool,
-                  kernel: str, needs: str, pays: bool = True) -> bool:
-    """The rule of the Pallas-kernel knobs (`ln_x_impl`, `ffn_impl`, `norm_impl`; values
-    `KERNEL_IMPLS`): whether the kernel runs. "xla": never; "auto": on one GPU when it `fits`
-    and `pays` (where it measured faster than XLA's form); "pallas" / "interpret": always, and
-    a one-line ValueError naming `runtime.<field>` on a device mesh (the kernels have no
-    sharding rule) or when it does not fit (`needs`: what it takes). `kernel` names it in those
-    errors."""
-    if impl == "xla":
-        return False
-    if impl == "auto":
-        return fits and pays and one_device and on_gpu
-    if not one_device:
-        raise ValueError(f"runtime.{field}={impl!r}: {kernel} runs on one device (it has no "
-                         "sharding rule); on a device mesh use auto or xla")
-    if not fits:
-        raise ValueError(f"runtime.{field}={impl!r}: {kernel} needs {needs}; "
-                         f"set runtime.{field}=xla")
-    return True

@@ -21,7 +21,7 @@ from lwm_jax import PRESETS, ModelConfig
 from lwm_jax.generate.sampling import SamplingParams
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.testing import randomize_params
-from lwm_jax.ops import wkv7, wkv7_reference_np
+from lwm_jax.ops.wkv7 import wkv7, wkv7_reference_np
 from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 
 engine = importlib.import_module("lwm_jax.generate.engine")

@@ -23,12 +23,12 @@ from flax import nnx
 
 from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
-from lwm_jax.diagnostics.probe import Probe
-from lwm_jax.layers.norms import layer_norm
+from lwm_jax.models.probe import Probe
 from lwm_jax.models.rwkv7.time_mix import DECAY_SCALE, decay_log, normalize_heads, time_mix_forward
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.testing import param_dict, randomize_params
-from lwm_jax.ops import wkv7_reference_np
+from lwm_jax.ops.layer_norm import layer_norm
+from lwm_jax.ops.wkv7 import wkv7_reference_np
 from lwm_jax.ops.wkv7.recurrent import recurrent_scan
 from lwm_jax.train.loss import cross_entropy, lm_loss
 
@@ -238,7 +238,7 @@ def _ln_x_through_time_mix(monkeypatch, island: bool):
     C, N = CFG.n_embd, CFG.head_size
     if not island:
         monkeypatch.setattr(time_mix_module, "group_norm",
-                            lambda x, w, b, *, n_groups, eps, out_dtype=None:
+                            lambda x, w, b, *, n_groups, eps, out_dtype=None, **impl_args:
                             _norm_in_compute_dtype(x, w, b, n_groups, eps, out_dtype))
     probe = Probe()
     time_mix_forward(p, normal(4, (2, 8, C), BF16), jnp.zeros((2, C)),

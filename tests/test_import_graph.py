@@ -1,5 +1,7 @@
-"""The package's import graph: no cycle between `lwm_jax` packages, and the WKV7 kernels import
-only the op's leaf modules (its contract and the shared triangular inverse), never the op.
+"""The package's import graph: no cycle between `lwm_jax` packages, no arrow the layering
+forbids (the models never import the diagnostics built on them; the ops import neither layers
+nor models), and the WKV7 kernels import only the op's leaf modules (its contract, the shared
+triangular inverse, the checkpoint names), never the op.
 
 Read from the source with `ast` (module-level and function-level imports alike: a lazy import
 is still a dependency), so a new cycle fails here before it fails at import time."""
@@ -97,7 +99,31 @@ def test_the_cycle_check_finds_a_cycle():
 
 
 LEAVES = {"lwm_jax.ops.wkv7.contract", "lwm_jax.ops.wkv7.tril_inverse",
-          "lwm_jax.ops.wkv7.tile_dots", "lwm_jax.ops.segments"}
+          "lwm_jax.ops.wkv7.tile_dots", "lwm_jax.ops.segments", "lwm_jax.remat_names"}
+# leaves the kernels do not import: the probe hook the models call
+OTHER_LEAVES = {"lwm_jax.models.probe"}
+
+# (importer, imported) package prefixes no module may connect
+FORBIDDEN = [("lwm_jax.models", "lwm_jax.diagnostics"), ("lwm_jax.layers", "lwm_jax.diagnostics"),
+             ("lwm_jax.ops", "lwm_jax.diagnostics"), ("lwm_jax.ops", "lwm_jax.layers"),
+             ("lwm_jax.ops", "lwm_jax.models"), ("lwm_jax.layers", "lwm_jax.models")]
+
+
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("importer,imported", FORBIDDEN)
+def test_forbidden_arrows(importer, imported):
+    bad = {m: sorted(d for d in deps if _within(d, imported))
+           for m, deps in GRAPH.items() if _within(m, importer)}
+    bad = {m: d for m, d in bad.items() if d}
+    assert not bad, f"{importer} must not import {imported}: {bad}"
+
+
+def test_the_forbidden_arrow_check_sees_an_arrow():
+    assert any(_within(d, "lwm_jax.models") for d in GRAPH["lwm_jax.diagnostics.nonfinite"]
+               | GRAPH["lwm_jax.diagnostics"])
 
 
 @pytest.mark.parametrize("kernel_pkg", ["lwm_jax.ops.wkv7.pallas_gpu",
@@ -109,5 +135,5 @@ def test_kernels_import_only_the_leaf_contract(kernel_pkg):
 
 
 def test_the_leaves_are_leaves():
-    for leaf in LEAVES:
+    for leaf in LEAVES | OTHER_LEAVES:
         assert GRAPH[leaf] == set(), leaf

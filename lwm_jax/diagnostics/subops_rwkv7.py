@@ -150,7 +150,7 @@ SUBOPS = (
     SubOp("ln_x", "layer", "att/ln_x", ln_x_local,
           "TimeMix per-head GroupNorm of the WKV output",
           "GroupNorm statistics below float32: keep the norm island "
-          "(lwm_jax.layers.norms.group_norm: float32 mean and variance)"),
+          "(lwm_jax.ops.group_norm: float32 mean and variance)"),
     SubOp("ffn", "layer", "ffn/out", ffn_local,
           "ChannelMix relu(k W_key)^2 W_value",
           "ChannelMix loses more than its storage rounding: under float16 keep the "

@@ -1,130 +1,20 @@
-"""LayerNorm and per-head GroupNorm whose statistics are always computed in float32.
+"""LayerNorm and per-head GroupNorm parameter holders (NNX modules).
 
-Whatever the compute dtype, the input is upcast to float32, the mean and the (two-pass) variance
-are taken in float32, the normalised value gets its affine weight/bias applied in float32, and only
-the result is cast to the requested output dtype. bf16 statistics break on inputs with a large
-mean and a small spread (e.g. 300 + 0.01·noise: bf16 cannot even represent the deviations).
-
-The pure functions (`layer_norm`, `group_norm`) are what the RWKV-7 blocks call on one layer's
-slice of stacked parameters; the modules hold the parameters (optionally stacked with a leading
-`layers` axis) and call the same functions.
+The math, with float32 statistics, and its kernels are the ops `lwm_jax.ops.layer_norm` and
+`lwm_jax.ops.group_norm`: the RWKV-7 blocks call those functions on one layer's slice of
+stacked parameters; the modules hold the parameters (optionally stacked with a leading
+`layers` axis) and call the same functions (their XLA form) when unstacked.
 """
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.ops.group_norm import group_norm_bwd_pallas
-from lwm_jax.ops.layer_norm import layer_norm_bwd_pallas, layer_norm_fwd_pallas
-
-LN_EPS = 1e-5
-
-
-def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None):
-    """LayerNorm over the last axis with fp32 statistics.
-
-    Args:
-      x: `[..., C]` any float dtype.
-      weight, bias: `[C]` (any float dtype; applied in float32).
-      eps: added to the variance (RWKV-7: 1e-5).
-      out_dtype: dtype of the result (default: `x.dtype`).
-    Returns:
-      `[..., C]` in `out_dtype`.
-    """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    x32 = x.astype(jnp.float32)
-    mean = jnp.mean(x32, axis=-1, keepdims=True)
-    centred = x32 - mean
-    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
-    y = centred * jax.lax.rsqrt(var + eps)
-    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(out_dtype)
-
-
-def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = None):
-    """GroupNorm over contiguous channel groups of the last axis, fp32 statistics.
-
-    RWKV-7's `ln_x`: `n_groups = H` heads, each of `N = C / H` channels, `eps = N * 1e-5`.
-
-    Args:
-      x: `[..., C]` any float dtype (C divisible by `n_groups`).
-      weight, bias: `[C]` per-channel affine, applied in float32.
-      out_dtype: dtype of the result (default: `x.dtype`).
-    Returns:
-      `[..., C]` in `out_dtype`.
-    """
-    out_dtype = x.dtype if out_dtype is None else out_dtype
-    C = x.shape[-1]
-    if C % n_groups:
-        raise ValueError(f"group_norm: channels {C} not divisible by n_groups={n_groups}")
-    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n_groups, C // n_groups)
-    mean = jnp.mean(xg, axis=-1, keepdims=True)
-    centred = xg - mean
-    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
-    y = (centred * jax.lax.rsqrt(var + eps)).reshape(x.shape)
-    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
-    return y.astype(out_dtype)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def group_norm_fused(x, weight, bias, n_groups: int, eps: float, out_dtype, interpret: bool):
-    """`group_norm(x, weight, bias, n_groups=, eps=, out_dtype=)` (same forward, bit for bit)
-    whose backward is `group_norm_bwd_pallas` (`interpret`: in the Pallas interpreter, for
-    tests). x `[..., C]` with `kernel_applies(x.shape, n_groups)`; weight, bias `[C]`.
-    Gradients come back in each input's dtype."""
-    return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-
-
-def _fused_fwd(x, weight, bias, n_groups, eps, out_dtype, interpret):
-    y = group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-    return y, (x, weight, np.zeros((0,), bias.dtype))
-
-
-def _fused_bwd(n_groups, eps, out_dtype, interpret, res, dy):
-    x, weight, bias_proto = res
-    C = x.shape[-1]
-    N = C // n_groups
-    groups = lambda a: a.reshape(-1, n_groups, N)      # noqa: E731
-    dx, dw, db = group_norm_bwd_pallas(groups(x), groups(dy), weight.reshape(n_groups, N),
-                                       eps=eps, interpret=interpret)
-    return (dx.reshape(x.shape), dw.reshape(C).astype(weight.dtype),
-            db.reshape(C).astype(bias_proto.dtype))
-
-
-group_norm_fused.defvjp(_fused_fwd, _fused_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def layer_norm_fused(x, weight, bias, eps: float, out_dtype, interpret: bool):
-    """`layer_norm(x, weight, bias, eps=, out_dtype=)` as the Pallas kernels of
-    `lwm_jax.ops.layer_norm`, forward and backward (`interpret`: in the Pallas interpreter, for
-    tests). x `[..., C]` with `kernel_applies(tokens, C)`; weight, bias `[C]`. The kernels see
-    x transposed, `[C, tokens]`: the layout XLA keeps the residual stream in, so the transposes
-    cost nothing. Gradients come back in each input's dtype."""
-    return _ln_forward(x, weight, bias, eps, out_dtype, interpret)[0]
-
-
-def _ln_forward(x, weight, bias, eps, out_dtype, interpret):
-    C = x.shape[-1]
-    yt, mean, rstd = layer_norm_fwd_pallas(x.reshape(-1, C).T, weight, bias, eps=eps,
-                                           out_dtype=jnp.dtype(out_dtype), interpret=interpret)
-    return yt.T.reshape(x.shape), (x, weight, mean, rstd, np.zeros((0,), bias.dtype))
-
-
-def _ln_backward(eps, out_dtype, interpret, res, dy):
-    x, weight, mean, rstd, bias_proto = res
-    C = x.shape[-1]
-    dxt, dw, db = layer_norm_bwd_pallas(x.reshape(-1, C).T, dy.reshape(-1, C).T, weight, mean,
-                                        rstd, interpret=interpret)
-    return dxt.T.reshape(x.shape), dw.astype(weight.dtype), db.astype(bias_proto.dtype)
-
-
-layer_norm_fused.defvjp(_ln_forward, _ln_backward)
+from lwm_jax.ops.group_norm import group_norm
+from lwm_jax.ops.layer_norm import LN_EPS, layer_norm
 
 
 def _stack_axes(stack: tuple[int, ...]) -> tuple[str, ...]:

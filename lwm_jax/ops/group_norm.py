@@ -1,8 +1,19 @@
-"""The backward pass of RWKV-7's `ln_x` GroupNorm as one Pallas-Triton kernel.
+"""Per-group GroupNorm with float32 statistics (RWKV-7's `ln_x`): the op `group_norm` and its
+forms.
 
-`lwm_jax.layers.norms.group_norm_fused` wires it to the forward, which is `group_norm` itself
-(XLA fuses it with its neighbours). The backward, for input `x` `[M, H, N]` (M = tokens, H
-groups of N channels), cotangent `dy` of the same shape and per-channel `weight` `[H, N]`:
+`group_norm(x, weight, bias, *, n_groups, eps, out_dtype, impl, platform, one_device)` runs:
+
+    "xla"                  `group_norm_xla`: plain JAX, autodiff for the backward
+    "pallas" / "interpret" `group_norm_fused`: the same forward (bit for bit; XLA fuses it with
+                           its neighbours) and the Pallas-Triton backward below
+                           (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
+    "auto"                 the kernel on one GPU when the shape fits it (`kernel_applies`)
+
+(`impl` is `Runtime.ln_x_impl` in RWKV-7's TimeMix; the rule is `kernel_choice.kernel_chosen`.)
+Statistics are float32 whatever the input dtype, as in `lwm_jax.ops.layer_norm`.
+
+The backward, for input `x` `[M, H, N]` (M = tokens, H groups of N channels), cotangent `dy`
+of the same shape and per-channel `weight` `[H, N]`:
 
     xhat = (x - mean(x)) * rstd,   rstd = 1 / sqrt(var(x) + eps)       (per row and group)
     g    = dy * weight
@@ -12,13 +23,14 @@ groups of N channels), cotangent `dy` of the same shape and per-channel `weight`
 One program per (block of R rows, group) reads `x` and `dy` once and writes `dx` plus its
 block's partial `dweight` / `dbias` sums (float32, `[M / R, H, N]`; XLA adds them up, in a fixed
 order: no atomics, so gradients are bitwise reproducible). Autodiff of the forward gave XLA
-two passes for the same work on an H100 (a block-level Triton fusion for `dx` at ~1.0 TB/s
-that recomputes the statistics, and a float32 `dy * xhat` product written out for the weight's
-reduction); `benchmarks/RESULTS.md` (session 23) has the step numbers.
+two passes for the same work on an H100 (a block-level Triton fusion for `dx` that recomputes
+the statistics, and a float32 `dy * xhat` product written out for the weight's reduction);
+`benchmarks/RESULTS.md` ("`ln_x`'s GroupNorm backward as one Pallas kernel") has the numbers.
 """
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +38,82 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lwm_jax.ops.kernel_choice import kernel_chosen
+
 _F32 = jnp.float32
 MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
+
+
+def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = None,
+               impl: str = "xla", platform: str | None = None, one_device: bool = True):
+    """GroupNorm over contiguous channel groups of the last axis, float32 statistics.
+
+    RWKV-7's `ln_x`: `n_groups = H` heads, each of `N = C / H` channels, `eps = N * 1e-5`.
+
+    Args:
+      x: `[..., C]` any float dtype (C divisible by `n_groups`).
+      weight, bias: `[C]` per-channel affine, applied in float32.
+      out_dtype: dtype of the result (default: `x.dtype`).
+      impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
+      platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
+        default devices'; read by "auto" only).
+      one_device: False on a device mesh: "auto" keeps XLA's backward there and "pallas" is
+        an error (the kernel has no sharding rule).
+    Returns:
+      `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
+    """
+    if kernel_chosen("ln_x_impl", impl, one_device=one_device, platform=platform,
+                     fits=kernel_applies(x.shape, n_groups),
+                     kernel="the Pallas GroupNorm backward",
+                     needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
+                           f"(got {x.shape} in {n_groups} groups)"):
+        out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+        return group_norm_fused(x, weight, bias, n_groups, eps, out_dtype, impl == "interpret")
+    return group_norm_xla(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
+
+
+def group_norm_xla(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = None):
+    """The XLA form of `group_norm`: x `[..., C]`, weight / bias `[C]`; `[..., C]` in
+    `out_dtype` (default x's). Float32 statistics; autodiff gives the backward."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    C = x.shape[-1]
+    if C % n_groups:
+        raise ValueError(f"group_norm: channels {C} not divisible by n_groups={n_groups}")
+    xg = x.astype(jnp.float32).reshape(*x.shape[:-1], n_groups, C // n_groups)
+    mean = jnp.mean(xg, axis=-1, keepdims=True)
+    centred = xg - mean
+    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    y = (centred * jax.lax.rsqrt(var + eps)).reshape(x.shape)
+    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
+def group_norm_fused(x, weight, bias, n_groups: int, eps: float, out_dtype, interpret: bool):
+    """`group_norm_xla(x, weight, bias, n_groups=, eps=, out_dtype=)` (same forward, bit for
+    bit) whose backward is `group_norm_bwd_pallas` (`interpret`: in the Pallas interpreter, for
+    tests). x `[..., C]` with `kernel_applies(x.shape, n_groups)`; weight, bias `[C]`.
+    Gradients come back in each input's dtype."""
+    return group_norm_xla(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
+
+
+def _fused_forward(x, weight, bias, n_groups, eps, out_dtype, interpret):
+    y = group_norm_xla(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
+    return y, (x, weight, np.zeros((0,), bias.dtype))
+
+
+def _fused_backward(n_groups, eps, out_dtype, interpret, res, dy):
+    x, weight, bias_proto = res
+    C = x.shape[-1]
+    N = C // n_groups
+    groups = lambda a: a.reshape(-1, n_groups, N)      # noqa: E731
+    dx, dw, db = group_norm_bwd_pallas(groups(x), groups(dy), weight.reshape(n_groups, N),
+                                       eps=eps, interpret=interpret)
+    return (dx.reshape(x.shape), dw.reshape(C).astype(weight.dtype),
+            db.reshape(C).astype(bias_proto.dtype))
+
+
+group_norm_fused.defvjp(_fused_forward, _fused_backward)
 
 
 def rows_per_program(M: int, N: int) -> int | None:
@@ -45,7 +131,7 @@ def rows_per_program(M: int, N: int) -> int | None:
 
 
 def kernel_applies(x_shape: tuple[int, ...], n_groups: int) -> bool:
-    """Whether `layers.norms.group_norm_fused` can run this backward on `x` of this shape."""
+    """Whether `group_norm_fused` can run this backward on `x` of this shape."""
     C = x_shape[-1]
     M = int(np.prod(x_shape[:-1]))
     return C % n_groups == 0 and rows_per_program(M, C // n_groups) is not None

@@ -1,10 +1,25 @@
-"""LayerNorm forward and backward as Pallas-Triton kernels over the *transposed* activations.
+"""LayerNorm over the last axis with float32 statistics: the op `layer_norm` and its forms.
 
-XLA keeps RWKV-7's residual stream tokens-minor (`[C, B, T]` in memory: its GEMMs write
-column-major outputs), so a LayerNorm's per-token statistics are reductions down columns, which
-XLA runs as two passes forward (mean, then variance) and several backward, each re-reading the
-stream (benchmarks/RESULTS.md, sessions 22-23); a row-major kernel made XLA flip the whole
-step's layout (sessions 20 and 23). These kernels take `x` transposed, `xt [C, M]` (M tokens),
+`layer_norm(x, weight, bias, *, eps, out_dtype, impl, platform, one_device)` runs one of:
+
+    "xla"                  `layer_norm_xla`: plain JAX, autodiff for the backward
+    "pallas" / "interpret" `layer_norm_fused`: the Pallas-Triton kernels below, forward and
+                           backward (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
+    "auto"                 the kernels on one GPU under a bf16 output when tokens and channels
+                           tile (`kernel_applies`) and C >= `AUTO_MIN_CHANNELS`, else XLA's
+
+(`impl` is `Runtime.norm_impl` in RWKV-7's blocks; the rule is `kernel_choice.kernel_chosen`.)
+
+Statistics are always float32: the input is upcast, the mean and the (two-pass) variance are
+taken in float32, the weight and bias are applied in float32, and only the result is cast to
+the output dtype. bf16 statistics break on inputs with a large mean and a small spread (e.g.
+300 + 0.01·noise: bf16 cannot even represent the deviations).
+
+The kernels take the activations *transposed*. XLA keeps RWKV-7's residual stream tokens-minor
+(`[C, B, T]` in memory: its GEMMs write column-major outputs), so a LayerNorm's per-token
+statistics are reductions down columns, which XLA runs as two passes forward (mean, then
+variance) and several backward, each re-reading the stream; a row-major kernel made XLA flip
+the whole step's layout (benchmarks/RESULTS.md). These kernels take `xt [C, M]` (M tokens),
 the layout XLA already has, and give each program `BM` token columns and all C rows:
 
     forward:   mean, rstd of each column (float32, one pass: per-tile statistics merged by
@@ -17,28 +32,101 @@ Each pass walks the column block in `BC`-row tiles; the second pass of each kern
 block (C x BM: 256 KiB at C = 2048 in bf16) from L2. The forward returns the float32 mean and
 rstd for the backward (8 bytes a token). The weight and bias sums come back as per-program
 partials `[M / BM, C]` that XLA adds in a fixed order (no atomics: bitwise reproducible).
-`lwm_jax.layers.norms.layer_norm_fused` wires both into a `jax.custom_vjp`.
 
-Measured on an H100 (benchmarks/RESULTS.md, session 25): alone, forward + backward at 8192 x
-2048 take 0.169 ms against XLA's 0.323, at 32768 x 768 0.186 against 0.457; in the 1.5B train
-step (C = 2048) the two block LayerNorms on the kernels save ~1.5 ms (+0.72 GiB), in the 0.1B
-step (C = 768) nothing (+0.5 GiB): XLA fuses its LayerNorm into the neighbouring passes there.
-Hence `AUTO_MIN_CHANNELS` for `runtime.norm_impl="auto"`.
+In a train step the kernels pay only at large C: at narrow widths XLA fuses its LayerNorm into
+the neighbouring passes (timings: benchmarks/RESULTS.md, "the block LayerNorms as Pallas
+kernels over the transposed activations"). Hence `AUTO_MIN_CHANNELS` for "auto".
 """
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lwm_jax.ops.kernel_choice import kernel_chosen
+
 _F32 = jnp.float32
+LN_EPS = 1e-5     # RWKV-7's LayerNorm epsilon
 BM = 64           # token columns per program (one 128-byte line of a bf16 block row)
 BC = 128          # channel rows per tile of a pass
-NUM_WARPS, NUM_STAGES = 8, 3   # chosen from twelve launch shapes (session 25)
+NUM_WARPS, NUM_STAGES = 8, 3   # chosen from twelve launch shapes (benchmarks/RESULTS.md)
 AUTO_MIN_CHANNELS = 2048       # narrowest C where the kernels measured faster in a train step
+
+
+def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
+               impl: str = "xla", platform: str | None = None, one_device: bool = True):
+    """LayerNorm over the last axis with float32 statistics, as `impl` says.
+
+    Args:
+      x: `[..., C]` any float dtype.
+      weight, bias: `[C]` (any float dtype; applied in float32).
+      eps: added to the variance (RWKV-7: 1e-5).
+      out_dtype: dtype of the result (default: `x.dtype`).
+      impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
+      platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
+        default devices'; read by "auto" only).
+      one_device: False on a device mesh: "auto" keeps XLA's form there and "pallas" is an
+        error (the kernels have no sharding rule).
+    Returns:
+      `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
+    """
+    out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
+    C = x.shape[-1]
+    M = int(np.prod(x.shape[:-1]))
+    if kernel_chosen(
+            "norm_impl", impl, one_device=one_device, platform=platform,
+            fits=out_dtype == jnp.bfloat16 and kernel_applies(M, C),
+            pays=C >= AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
+            needs=f"a bf16 compute dtype and tokens x channels {M} x {C} in multiples of the "
+                  "kernel's blocks (ops.layer_norm.kernel_applies)"):
+        return layer_norm_fused(x, weight, bias, eps, out_dtype, impl == "interpret")
+    return layer_norm_xla(x, weight, bias, eps=eps, out_dtype=out_dtype)
+
+
+def layer_norm_xla(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None):
+    """The XLA form of `layer_norm`: x `[..., C]`, weight / bias `[C]`; `[..., C]` in
+    `out_dtype` (default x's). Float32 statistics; autodiff gives the backward."""
+    out_dtype = x.dtype if out_dtype is None else out_dtype
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    centred = x32 - mean
+    var = jnp.mean(jnp.square(centred), axis=-1, keepdims=True)
+    y = centred * jax.lax.rsqrt(var + eps)
+    y = y * weight.astype(jnp.float32) + bias.astype(jnp.float32)
+    return y.astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer_norm_fused(x, weight, bias, eps: float, out_dtype, interpret: bool):
+    """`layer_norm_xla(x, weight, bias, eps=, out_dtype=)` as the Pallas kernels below, forward
+    and backward (`interpret`: in the Pallas interpreter, for tests). x `[..., C]` with
+    `kernel_applies(tokens, C)`; weight, bias `[C]`. The kernels see x transposed,
+    `[C, tokens]`: the layout XLA keeps the residual stream in, so the transposes cost nothing.
+    Gradients come back in each input's dtype."""
+    return _fused_forward(x, weight, bias, eps, out_dtype, interpret)[0]
+
+
+def _fused_forward(x, weight, bias, eps, out_dtype, interpret):
+    C = x.shape[-1]
+    yt, mean, rstd = layer_norm_fwd_pallas(x.reshape(-1, C).T, weight, bias, eps=eps,
+                                           out_dtype=jnp.dtype(out_dtype), interpret=interpret)
+    return yt.T.reshape(x.shape), (x, weight, mean, rstd, np.zeros((0,), bias.dtype))
+
+
+def _fused_backward(eps, out_dtype, interpret, res, dy):
+    x, weight, mean, rstd, bias_proto = res
+    C = x.shape[-1]
+    dxt, dw, db = layer_norm_bwd_pallas(x.reshape(-1, C).T, dy.reshape(-1, C).T, weight, mean,
+                                        rstd, interpret=interpret)
+    return dxt.T.reshape(x.shape), dw.astype(weight.dtype), db.astype(bias_proto.dtype)
+
+
+layer_norm_fused.defvjp(_fused_forward, _fused_backward)
 
 
 def kernel_applies(M: int, C: int, bm: int = BM, bc: int = BC) -> bool:

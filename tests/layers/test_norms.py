@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers.norms import group_norm, layer_norm
+from lwm_jax.ops.group_norm import group_norm
+from lwm_jax.ops.layer_norm import layer_norm
 
 
 def _ref_f64(x, weight, bias, groups, eps):

@@ -1,5 +1,5 @@
 """`ln_x`'s GroupNorm backward as one Pallas kernel (`lwm_jax.ops.group_norm`, wired to the
-forward by `layers.norms.group_norm_fused`): the forward is bit for bit `group_norm`, the
+forward by its `group_norm_fused`): the forward is bit for bit `group_norm`, the
 gradients match a float64 reference as closely as autodiff of the forward does (interpreted
 everywhere, compiled on a GPU), and TimeMix picks it as `Runtime.ln_x_impl` says."""
 from __future__ import annotations
@@ -9,10 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers.norms import group_norm, group_norm_fused
-from lwm_jax.models.rwkv7.time_mix import _ln_x
-from lwm_jax.ops.group_norm import group_norm_bwd_pallas, kernel_applies, rows_per_program
+from lwm_jax.ops.group_norm import (group_norm, group_norm_bwd_pallas, group_norm_fused,
+                                    kernel_applies, rows_per_program)
 from lwm_jax.runtime import Runtime
+
+
+def _ln_x(impl, wkv_op, x, weight, bias, **kw):
+    """`ln_x` as TimeMix calls it: `impl` = `runtime.ln_x_impl`; a `wkv_op` (the
+    sequence-parallel WKV of a sharded model) means several devices."""
+    return group_norm(x, weight, bias, impl=impl, one_device=wkv_op is None, **kw)
 
 
 def _inputs(seed, shape, C, dtype, N=16):

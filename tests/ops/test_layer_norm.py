@@ -1,5 +1,5 @@
 """The block LayerNorm as Pallas kernels over transposed activations (`lwm_jax.ops.layer_norm`,
-wired by `layers.norms.layer_norm_fused`): forward and backward against float64 and at least as
+wired by its `layer_norm_fused`): forward and backward against float64 and at least as
 close as XLA's `layer_norm` (interpreted everywhere, compiled on a GPU), float32 statistics that
 survive a large mean, and the RWKV-7 model choosing the kernels as `Runtime.norm_impl` says."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers.norms import LN_EPS, layer_norm, layer_norm_fused
 from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
                                           toy_loss_and_grads)
-from lwm_jax.ops.layer_norm import kernel_applies, layer_norm_fwd_pallas
+from lwm_jax.ops.layer_norm import (LN_EPS, kernel_applies, layer_norm, layer_norm_fused,
+                                    layer_norm_fwd_pallas)
 from lwm_jax.runtime import Runtime
 
 BF16 = jnp.bfloat16
@@ -68,7 +68,7 @@ def test_forward_and_gradients_match_float64(pallas_mode, dtype):
 
 
 def test_statistics_survive_a_large_mean(pallas_mode):
-    """300 + 0.01 noise (the case `layers.norms` names): float32 statistics merged tile by tile
+    """300 + 0.01 noise (the case `ops.layer_norm` names): float32 statistics merged tile by tile
     still normalise it to float32 accuracy."""
     x, w, b, dy = _inputs((1, 64, 512), jnp.float32, seed=1, mean=300.0, spread=0.01)
     y, mean, rstd = layer_norm_fwd_pallas(x.reshape(-1, 512).T, w, b, eps=LN_EPS,

@@ -1,7 +1,8 @@
-"""ChannelMix's squared-ReLU GEMMs with the activation in the epilogue (`lwm_jax.ops.relu2_matmul`,
-wired by `layers.squared_relu_mlp`): each kernel against float64 and at least as close as XLA's
-two-pass form (interpreted everywhere, compiled on a GPU), the wired MLP's output and gradients
-likewise, and the RWKV-7 model choosing it as `Runtime.ffn_impl` says."""
+"""ChannelMix's squared-ReLU GEMMs with the activation in the epilogue
+(`lwm_jax.ops.squared_relu_mlp`, wired by its `squared_relu_mlp_fused`): each kernel against
+float64 and at least as close as XLA's two-pass form (interpreted everywhere, compiled on a
+GPU), the wired MLP's output and gradients likewise, and the RWKV-7 model choosing it as
+`Runtime.ffn_impl` says."""
 from __future__ import annotations
 
 import jax
@@ -9,12 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.layers.squared_relu_mlp import squared_relu_mlp_fused
-from lwm_jax.models.rwkv7.channel_mix import squared_relu
 from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
                                           toy_loss_and_grads)
-from lwm_jax.ops.relu2_matmul import (kernel_applies, relu2_matmul_grad_pallas,
-                                      relu2_matmul_pallas)
+from lwm_jax.ops.squared_relu_mlp import (kernel_applies, relu2_matmul_grad_pallas,
+                                          relu2_matmul_pallas, squared_relu,
+                                          squared_relu_mlp_fused)
 from lwm_jax.precision import parse_policy
 from lwm_jax.runtime import Runtime
 

@@ -39,10 +39,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.models.probe import scoped
 from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.layout import pin_activation
-from lwm_jax.layers.norms import LayerNorm, layer_norm
+from lwm_jax.layers.norms import LayerNorm
 from lwm_jax.layers.rope import inv_frequencies, positions_from_segments, rope_cos_sin
 from lwm_jax.models.hybrid.config import HybridConfig
 from lwm_jax.hardware import platform_of
@@ -53,6 +53,7 @@ from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
 from lwm_jax.models.rwkv7.model import _sequence_parallel_wkv, head_fn, remat_policy
 from lwm_jax.models.stacked import unstack
+from lwm_jax.ops.layer_norm import layer_norm
 from lwm_jax.precision import Policy, parse_policy
 from lwm_jax.runtime import Runtime
 

@@ -12,14 +12,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lwm_jax.diagnostics.probe import scoped
 from lwm_jax.hardware import platform_of
+from lwm_jax.layers.norms import LayerNorm
+from lwm_jax.models.probe import scoped
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
-from lwm_jax.layers.norms import LN_EPS, LayerNorm, layer_norm, layer_norm_fused
-from lwm_jax.ops.layer_norm import AUTO_MIN_CHANNELS as LN_AUTO_MIN_CHANNELS
-from lwm_jax.ops.layer_norm import kernel_applies as ln_kernel_applies
-from lwm_jax.runtime import kernel_chosen
 from lwm_jax.models.rwkv7.time_mix import TimeMix, time_mix_forward
+from lwm_jax.ops.layer_norm import layer_norm
 
 
 class LayerState(NamedTuple):
@@ -61,7 +59,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       cfg, policy, runtime: `ModelConfig`, `Policy`, `Runtime` (WKV implementation and chunk).
       probe: optional `probe(name, x)` tap: `att/...` and `ffn/...` inside the mixers, and the
         residual stream after each (`x_att`, `x_out`).
-      wkv_op: the WKV7 function TimeMix calls (None: `lwm_jax.ops.wkv7`).
+      wkv_op: the WKV7 function TimeMix calls (None: `lwm_jax.ops.wkv7.wkv7`).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (the model's
         mesh's, `lwm_jax.hardware.platform_of`; None: JAX's default devices'): it decides
         which kernels "auto" picks.
@@ -70,9 +68,14 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     """
     cd = policy.compute_dtype
     platform = platform or platform_of()
+
+    def norm(x, ln):
+        """LayerNorm `ln` in compute dtype, as the kernels where `runtime.norm_impl` says."""
+        return layer_norm(x, ln["weight"], ln["bias"], out_dtype=cd, impl=runtime.norm_impl,
+                          platform=platform, one_device=wkv_op is None)
+
     with jax.named_scope("block_norm"):
-        xn = _norm(x_BTC, p["ln1"], cd, runtime.norm_impl, one_device=wkv_op is None,
-                   platform=platform)
+        xn = norm(x_BTC, p["ln1"])
     att, v_first_BTC, wkv = time_mix_forward(
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
@@ -82,8 +85,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     if probe is not None:
         probe("x_att", x_BTC)
     with jax.named_scope("block_norm"):
-        xn2 = _norm(x_BTC, p["ln2"], cd, runtime.norm_impl, one_device=wkv_op is None,
-                    platform=platform)
+        xn2 = norm(x_BTC, p["ln2"])
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
                                         probe=scoped(probe, "ffn"), ffn_impl=runtime.ffn_impl,
@@ -93,18 +95,3 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)
     return x_BTC, v_first_BTC, new_state
 
-
-def _norm(x_BTC, p: dict, cd, impl: str, *, one_device: bool, platform: str):
-    """`layer_norm(x, weight, bias)` in compute dtype `cd`, as the Pallas kernels
-    (`layers.norms.layer_norm_fused`) when `runtime.norm_impl` chooses them."""
-    B, T, C = x_BTC.shape
-    use = kernel_chosen(
-        "norm_impl", impl, one_device=one_device, on_gpu=platform == "gpu",
-        fits=jnp.dtype(cd) == jnp.bfloat16 and ln_kernel_applies(B * T, C),
-        pays=C >= LN_AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
-        needs=f"a bf16 compute dtype and tokens x channels {B * T} x {C} in multiples of the "
-              "kernel's blocks (ops.layer_norm.kernel_applies)")
-    if use:
-        return layer_norm_fused(x_BTC, p["weight"], p["bias"], LN_EPS, jnp.dtype(cd),
-                                impl == "interpret")
-    return layer_norm(x_BTC, p["weight"], p["bias"], out_dtype=cd)

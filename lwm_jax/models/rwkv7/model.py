@@ -54,14 +54,15 @@ from lwm_jax.hardware import platform_of
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.models.stacked import unstack
-from lwm_jax.ops.wkv7.contract import OUTPUT_NAME, RESIDUALS_NAME
-from lwm_jax.diagnostics.probe import scoped
+from lwm_jax.models.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.layout import pin_activation
-from lwm_jax.layers.norms import LayerNorm, layer_norm
+from lwm_jax.layers.norms import LayerNorm
+from lwm_jax.ops.layer_norm import layer_norm
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
+from lwm_jax.remat_names import WKV7_OUTPUT_NAME, WKV7_RESIDUALS_NAME
 from lwm_jax.runtime import Runtime
 
 
@@ -158,7 +159,7 @@ class RWKV7(nnx.Module):
           return_state: also return the state after the last token.
           segment_ids: optional int `[B, T]` packed-document ids: the recurrent state (WKV and
             token shift) restarts from zero where the id changes (not at position 0).
-          probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`) called in execution
+          probe: optional `probe(name, x)` tap (`lwm_jax.models.probe`) called in execution
             order: `emb`, `ln0`, `layer{l}/...` for each block, `logits`. Needs a model built
             with `remat=False` and `scan_layers=False` (ValueError otherwise).
         Returns:
@@ -209,7 +210,7 @@ class RWKV7(nnx.Module):
 
     def _wkv_op(self):
         """The WKV7 function of every layer: sequence-parallel over `self.mesh`, or None
-        (= `lwm_jax.ops.wkv7` on each device's whole sequence)."""
+        (= `lwm_jax.ops.wkv7.wkv7` on each device's whole sequence)."""
         return None if self.mesh is None else _sequence_parallel_wkv(self.mesh)
 
     def _run_blocks(self, params, x_BTC, states: LayerState, segment_ids, probe=None):
@@ -303,7 +304,7 @@ def remat_policy(runtime: Runtime):
     """The `jax.checkpoint` policy of `runtime.remat_policy` (None = save nothing)."""
     if runtime.remat_policy == "full":
         return None
-    return matmul_outputs_saveable(RESIDUALS_NAME, OUTPUT_NAME)
+    return matmul_outputs_saveable(WKV7_RESIDUALS_NAME, WKV7_OUTPUT_NAME)
 
 
 def probe_model_fn(cfg: ModelConfig, policy, runtime: Runtime | None = None):

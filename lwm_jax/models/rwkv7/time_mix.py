@@ -25,14 +25,13 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.hardware import platform_of
-from lwm_jax.models.rwkv7 import init
-from lwm_jax.layers.norms import GroupNorm, group_norm, group_norm_fused
+from lwm_jax.layers.norms import GroupNorm
 from lwm_jax.layers.shift import token_shift_mixes
-from lwm_jax.ops import wkv7
-from lwm_jax.ops.group_norm import kernel_applies
-from lwm_jax.ops.wkv7.contract import OUTPUT_NAME
+from lwm_jax.models.rwkv7 import init
+from lwm_jax.ops.group_norm import group_norm
+from lwm_jax.ops.wkv7 import wkv7
 from lwm_jax.precision import param_add, param_mul
-from lwm_jax.runtime import kernel_chosen
+from lwm_jax.remat_names import WKV7_OUTPUT_NAME
 
 MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
 VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
@@ -140,19 +139,6 @@ def _normalize_heads_bwd(eps, res, dy):
 _normalize_heads.defvjp(_normalize_heads_fwd, _normalize_heads_bwd)
 
 
-def _ln_x(impl: str, wkv_op, x, weight, bias, *, n_groups, eps, out_dtype, platform=None):
-    """`group_norm(x, ...)` with the backward `impl` asks for (see `time_mix_forward`)."""
-    if kernel_chosen("ln_x_impl", impl, one_device=wkv_op is None,
-                     on_gpu=(platform or platform_of()) == "gpu",
-                     fits=kernel_applies(x.shape, n_groups),
-                     kernel="the Pallas GroupNorm backward",
-                     needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
-                           f"(got {x.shape} in {n_groups} groups)"):
-        return group_norm_fused(x, weight, bias, n_groups, eps, jnp.dtype(out_dtype),
-                                impl == "interpret")
-    return group_norm(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
-
-
 def _lora(policy, x_BTC, down, up):
     return policy.einsum("btr,rc->btc", policy.einsum("btc,cr->btr", x_BTC, down), up)
 
@@ -175,12 +161,13 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       first: True for layer 0 (defines `v_first = v`; no value residual), False for the others,
         or a traced bool scalar (a layer scan's body): both forms computed, one selected.
       segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
-      probe: optional `probe(name, x)` tap (`lwm_jax.diagnostics.probe`); sees r, k, v, the
+      probe: optional `probe(name, x)` tap (`lwm_jax.models.probe`); sees r, k, v, the
         log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
-      wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7` is (None: `wkv7`); e.g. the
+      wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7.wkv7` is (None: `wkv7`); e.g. the
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
-      ln_x_impl: `Runtime.ln_x_impl`. "auto" takes the Pallas backward on a GPU when `wkv_op`
-        is None (one device: the kernel has no sharding rule) and the shape fits it.
+      ln_x_impl: `Runtime.ln_x_impl`, the `impl` of `lwm_jax.ops.group_norm.group_norm`.
+        "auto" takes the Pallas backward on a GPU when `wkv_op` is None (one device: the
+        kernel has no sharding rule) and the shape fits it.
       platform: the platform the program is compiled for ("cpu" | "gpu" | "tpu"; None: JAX's
         default devices'): picks the WKV kernel family and "auto"'s kernels.
     Returns:
@@ -233,12 +220,13 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
                            initial_state=wkv_BHNN, return_state=True, segment_ids=segment_ids_BT,
                            chunk_size=chunk_size, impl=wkv_impl, output_dtype=cd,
                            precision=policy.wkv_precision)
-    o = checkpoint_name(o, OUTPUT_NAME)      # kept by Runtime(remat_policy="save_dots")
+    o = checkpoint_name(o, WKV7_OUTPUT_NAME)   # kept by Runtime(remat_policy="save_dots")
     tap("wkv_out", o)
     tap("wkv_state", wkv_BHNN)
 
-    y = _ln_x(ln_x_impl, wkv_op, o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"],
-              n_groups=H, eps=N * 1e-5, out_dtype=cd, platform=platform)
+    y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
+                   eps=N * 1e-5, out_dtype=cd, impl=ln_x_impl, platform=platform,
+                   one_device=wkv_op is None)
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)

@@ -1,5 +1,7 @@
 """The RWKV-7 WKV op (generalized delta rule), FLA layout, fp32 state.
 
+The op is the function `wkv7`: `from lwm_jax.ops.wkv7 import wkv7`.
+
 Modules (imports only point down this list; `contract` imports nothing of the package):
   `dispatch`          the public `wkv7`: validation, then recurrent / chunked / Pallas
   `sequence_parallel` `wkv7` over sequence slices on a mesh axis
@@ -11,9 +13,6 @@ Modules (imports only point down this list; `contract` imports nothing of the pa
   `tile_dots`         2-D tile products with float32 accumulation (both kernels' tiles)
   `contract`          input checks, dtypes, precision names, decay bound, chunk limits (a leaf)
 """
-import sys
-import types
-
 from lwm_jax.ops.wkv7.contract import PRECISIONS
 from lwm_jax.ops.wkv7.dispatch import IMPLS, wkv7
 from lwm_jax.ops.wkv7.reference import wkv7_reference_np
@@ -21,15 +20,3 @@ from lwm_jax.ops.wkv7.sequence_parallel import shift_across_slices, wkv7_sequenc
 
 __all__ = ["IMPLS", "PRECISIONS", "shift_across_slices", "wkv7", "wkv7_reference_np",
            "wkv7_sequence_parallel"]
-
-
-class _CallableOp(types.ModuleType):
-    """`lwm_jax.ops.wkv7` was the op (a function) before it was a package, and users call it:
-    the package stays a normal module (its modules import by any path and any `import` form)
-    and calling it calls `dispatch.wkv7`."""
-
-    def __call__(self, *args, **kwargs):
-        return wkv7(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableOp

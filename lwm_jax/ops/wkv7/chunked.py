@@ -14,7 +14,8 @@ temporaries for fwd+bwd at B, T, H, K = 8, 4096, 12, 64, and a model kept them f
 So step 2 runs as a `lax.map` over groups of chunks (`GROUP_BUDGET` bounds one group's largest
 temporary), each group under `jax.checkpoint`: its backward recomputes one group at a time. The
 op as a whole is checkpointed too and keeps for the backward only the chunk terms and the
-chunk-start states (`[B, H, T, K]`-sized, names "wkv7_chunk_terms" / "wkv7_chunk_states").
+chunk-start states (`[B, H, T, K]`-sized, `lwm_jax.remat_names.WKV7_CHUNK_TERMS_NAME` /
+`WKV7_CHUNK_STATES_NAME`).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.ops.segments import segment_counter
 from lwm_jax.ops.wkv7.chunk_math import RoundedOperands, chunk_terms, product, sub_block_size
+from lwm_jax.remat_names import WKV7_CHUNK_STATES_NAME, WKV7_CHUNK_TERMS_NAME
 
 
 
@@ -47,14 +49,15 @@ def _document_masks(segment_ids, B, NC, C, pad):
     return same_ts, m0, m_end
 
 
-_SAVE = jax.checkpoint_policies.save_only_these_names("wkv7_chunk_states", "wkv7_chunk_terms")
+_SAVE = jax.checkpoint_policies.save_only_these_names(WKV7_CHUNK_STATES_NAME,
+                                                      WKV7_CHUNK_TERMS_NAME)
 GROUP_BUDGET = 1 << 25   # float32 entries of one chunk group's largest temporary (128 MiB)
 
 
 @functools.partial(jax.jit, static_argnames=("chunk_size", "output_dtype", "precision"))
 def wkv7_chunked(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
                  precision="highest"):
-    """Chunk-parallel WKV7 (inputs already validated by `lwm_jax.ops.wkv7`).
+    """Chunk-parallel WKV7 (inputs already validated by `dispatch.wkv7`).
 
     Args:
       r, w, k, a, b: `[B, T, H, K]`; v: `[B, T, H, V]` (any float dtype; upcast to float32).
@@ -91,7 +94,7 @@ def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output
     r_c, w_c, k_c, v_c, a_c, b_c = (to_chunks(x) for x in (r, w, k, v, a, b))
     masks = None if segment_ids is None else _document_masks(segment_ids, B, NC, C, pad)
     terms = _grouped_chunk_terms((r_c, w_c, k_c, v_c, a_c, b_c), masks, C, precision)
-    Q_CK, O_CV, M_KK, S_KV = (checkpoint_name(x, "wkv7_chunk_terms") for x in terms)
+    Q_CK, O_CV, M_KK, S_KV = (checkpoint_name(x, WKV7_CHUNK_TERMS_NAME) for x in terms)
 
     if initial_state is None:
         S0_BHKV = jnp.zeros((B, H, K, V), jnp.float32)
@@ -105,7 +108,8 @@ def _chunked(r, w, k, v, a, b, initial_state, segment_ids, *, chunk_size, output
 
     chunk_major = lambda x: jnp.moveaxis(x, 2, 0)  # [B, H, NC, ...] -> [NC, B, H, ...]
     S_final, S_start_NBHKV = jax.lax.scan(step, S0_BHKV, (chunk_major(M_KK), chunk_major(S_KV)))
-    S_start = checkpoint_name(jnp.moveaxis(S_start_NBHKV, 0, 2), "wkv7_chunk_states")  # [B,H,NC,K,V]
+    S_start = checkpoint_name(jnp.moveaxis(S_start_NBHKV, 0, 2),
+                              WKV7_CHUNK_STATES_NAME)                   # [B,H,NC,K,V]
     o_BHNCV = product("bhnck,bhnkv->bhncv", Q_CK, S_start, precision=precision) + O_CV
     o_BTHV = o_BHNCV.transpose(0, 2, 3, 1, 4).reshape(B, NC * C, H, V)[:, :T]
     return o_BTHV.astype(output_dtype), S_final

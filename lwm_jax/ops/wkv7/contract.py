@@ -30,10 +30,6 @@ def xla_precision(name: str | None) -> str:
 #   pallas_tpu:    factors around the chunk's middle: |exponent| <= C * 0.61 / 2 -> C <= 128.
 W_MIN = -0.6065306597126334          # -exp(-0.5)
 GPU_MAX_CHUNK = 64
-# `jax.ad_checkpoint.checkpoint_name`s for remat policies (`Runtime.remat_policy`): the kernels'
-# saved-for-backward arrays and the op's output, as the model names them.
-RESIDUALS_NAME = "wkv7_residuals"
-OUTPUT_NAME = "wkv7_out"
 TPU_MAX_CHUNK = 128
 
 

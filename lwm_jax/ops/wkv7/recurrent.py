@@ -65,7 +65,7 @@ def _one_token(S_BHKV, r_BHK, w_BHK, k_BHK, v_BHV, a_BHK, b_BHK):
 
 @functools.partial(jax.jit, static_argnames=("output_dtype",))
 def wkv7_recurrent(r, w, k, v, a, b, initial_state, segment_ids, output_dtype):
-    """Float32 recurrent WKV7 (inputs already validated by `lwm_jax.ops.wkv7`).
+    """Float32 recurrent WKV7 (inputs already validated by `dispatch.wkv7`).
 
     Returns `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
     """

@@ -273,7 +273,7 @@ def wkv7_sequence_parallel(r, w, k, v, a, b, *, mesh, axis="sequence", initial_s
                            segment_ids=None, impl="auto", chunk_size=None, output_dtype=None,
                            return_state=False, precision=None, batch_axes=None, head_axis=None,
                            fuse=None, platform=None):
-    """`lwm_jax.ops.wkv7` with the time axis sharded over the mesh axis `axis`.
+    """`lwm_jax.ops.wkv7.wkv7` with the time axis sharded over the mesh axis `axis`.
 
     Same contract and results as `wkv7` (FLA layout, float32 state, segment ids reset the state
     where the id changes, position 0 continues from `initial_state`); see the module docstring

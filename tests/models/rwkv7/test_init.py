@@ -159,8 +159,8 @@ def _qr_operand_shapes(jaxpr) -> list[tuple[int, ...]]:
 
 def test_layer_stacked_orthogonal_runs_one_unbatched_qr_per_matrix():
     # A batched QR lowers to cuSOLVER's unblocked batched kernel on GPU: 20.7 s for the 1.5B
-    # model's [24, 2048, 2048] stacks on an H100, 0.28 s one matrix at a time (RESULTS.md,
-    # session 13). Every QR the init traces must see a single matrix.
+    # model's [24, 2048, 2048] stacks on an H100, 0.28 s one matrix at a time (RESULTS-log.md,
+    # 2026-11-25). Every QR the init traces must see a single matrix.
     closed = jax.make_jaxpr(
         lambda k: init._orthogonal(k, (3, 8, 5), 1.0, jnp.float32))(jax.random.key(0))
     shapes = _qr_operand_shapes(closed.jaxpr)

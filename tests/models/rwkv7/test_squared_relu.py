@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.models.rwkv7.channel_mix import squared_relu
+from lwm_jax.ops.squared_relu_mlp import squared_relu
 
 # the gradient's error against float64, in ulps of each element (a relative ulp is at most
 # 2^-7 in bf16, 2^-23 in fp32): autodiff's is the output rounding of `dy * 2 relu(x)`, half an

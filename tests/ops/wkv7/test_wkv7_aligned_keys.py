@@ -21,7 +21,7 @@ from lwm_jax.ops.wkv7.pallas_gpu.op import wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_tpu.op import wkv7_tpu
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.reference import forward_np
-from lwm_jax.ops import wkv7
+from lwm_jax.ops.wkv7 import wkv7
 from lwm_jax.ops.wkv7.testing import rel_err, wkv7_reference_vjp_f64
 from lwm_jax.ops.wkv7.tril_inverse import unit_lower_inverse
 

@@ -14,8 +14,9 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.ops import segment_ids_from_cu_seqlens, wkv7, wkv7_reference_np
+from lwm_jax.ops.segments import segment_ids_from_cu_seqlens
 from lwm_jax.ops.wkv7 import dispatch as wkv7_op
+from lwm_jax.ops.wkv7 import wkv7, wkv7_reference_np
 from lwm_jax.ops.wkv7.testing import (LOG_DECAY_LOWER, random_segment_ids, random_wkv7_inputs,
                                  rel_err, wkv7_reference_vjp_f64)
 

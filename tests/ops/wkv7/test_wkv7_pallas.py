@@ -203,7 +203,7 @@ def test_lowers_to_triton_for_gpu(chunk, dtype):
 
 
 def test_sequential_launch_defaults_leave_one_program_per_sm():
-    """`resolve`'s measured rule (H100, benchmarks/RESULTS.md, session 22): the sequential
+    """`resolve`'s measured rule (H100, benchmarks/RESULTS-log.md, 2026-11-26, 882a158): the sequential
     launches take the fewest value columns per program that keep B*H*V/columns programs <= the
     SM count, and 3 pipeline stages; explicit `Tuning` fields still win."""
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve

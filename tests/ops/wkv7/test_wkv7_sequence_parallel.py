@@ -49,7 +49,7 @@ DRIVER = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.sharding import PartitionSpec as P
     from lwm_jax.layers import token_shift
-    from lwm_jax.ops import wkv7
+    from lwm_jax.ops.wkv7 import wkv7
     from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err
     from lwm_jax.ops.wkv7.sequence_parallel import shift_across_slices, wkv7_sequence_parallel
     from lwm_jax.train.sharding import make_mesh, MESH_AXES

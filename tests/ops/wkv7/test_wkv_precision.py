@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.extend import core as jex_core
 
-from lwm_jax.ops import wkv7
+from lwm_jax.ops.wkv7 import wkv7
 from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 from lwm_jax.precision import PRESETS, parse_policy
 

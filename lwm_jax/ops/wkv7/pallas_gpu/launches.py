@@ -66,7 +66,7 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     column block, a chain over the chunks) run fastest with 3 pipeline stages and with the
     fewest columns per program that still leave at most one program per SM (`sm_count`;
     default: the first device's, 132 off a GPU): seq_bwd 32 columns at 64 heads, 64 at 96
-    (H100, session 22).
+    (H100, benchmarks/RESULTS-log.md, 2026-11-26, 882a158).
     """
     tune = tune or Tuning()
     small = C <= 32
@@ -76,7 +76,7 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     pick = lambda value, default: default if value is None else value
     # outputs split off below two 16-column programs per SM (264 on the H100 / H200 measured)
     split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 2 * sms)
-    # with outputs the forward keeps 16 columns (0.1B: no gain from more, H100, session 22)
+    # with outputs the forward keeps 16 columns (0.1B: no gain from more, H100, 2026-11-26)
     block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out else 16), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
     if form not in _BWD_FORMS:

@@ -21,9 +21,10 @@ from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.ops.wkv7.pallas_gpu import launches
 from lwm_jax.ops.wkv7.contract import INPUT_DTYPES as _FLOATS
-from lwm_jax.ops.wkv7.contract import GPU_MAX_CHUNK, RESIDUALS_NAME, check_wkv7_inputs
+from lwm_jax.ops.wkv7.contract import GPU_MAX_CHUNK, check_wkv7_inputs
 from lwm_jax.ops.segments import chunk_reset_counter
 from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
+from lwm_jax.remat_names import WKV7_RESIDUALS_NAME
 
 MAX_K = 64  # larger key sizes are untested (V = 128 in one program exceeded an H200's 227 KiB
             # of shared memory at C = 64, so K = 128 very likely does too)
@@ -62,7 +63,7 @@ def _core_fwd(r, w, k, v, a, b, s0, n, cfg):
     if o is None:
         o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
     # named so that a remat policy can keep them instead of re-running the forward kernels
-    M, Q, inv, states = checkpoint_name((M, Q, inv, states), RESIDUALS_NAME)
+    M, Q, inv, states = checkpoint_name((M, Q, inv, states), WKV7_RESIDUALS_NAME)
     return (o, sT), (r, w, k, v, a, b, n, M, Q, inv, states)
 
 

@@ -19,10 +19,10 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lwm_jax.ops.wkv7.contract import RESIDUALS_NAME
 from lwm_jax.ops.wkv7.pallas_gpu import launches
 from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
 from lwm_jax.ops.wkv7.pallas_gpu.op import MAX_V, prepare, validate
+from lwm_jax.remat_names import WKV7_RESIDUALS_NAME
 
 _F32 = jnp.float32
 
@@ -65,7 +65,8 @@ def _pair_fwd(r, w, k, v, a, b, s0, eye, n, cfg, cfg_q):
     o, sT, states = _value_pass(M, D, Q, O0, s0, cfg, want_states=True)
     q, M_end, states_q = _identity_pass(M, Q, eye, cfg_q, want_states=True)
     # named like the single call's residuals, so a remat policy treats both alike
-    M, Q, inv, states, states_q = checkpoint_name((M, Q, inv, states, states_q), RESIDUALS_NAME)
+    M, Q, inv, states, states_q = checkpoint_name((M, Q, inv, states, states_q),
+                                                 WKV7_RESIDUALS_NAME)
     return (o, sT, q, M_end), (r, w, k, v, a, b, n, M, Q, inv, states, states_q)
 
 

@@ -21,8 +21,9 @@ from jax.ad_checkpoint import checkpoint_name
 from lwm_jax.ops.wkv7.pallas_tpu.bwd import wkv7_bwd_pallas
 from lwm_jax.ops.wkv7.pallas_tpu.fwd import wkv7_fwd_pallas
 from lwm_jax.ops.wkv7.contract import INPUT_DTYPES as _FLOATS
-from lwm_jax.ops.wkv7.contract import RESIDUALS_NAME, TPU_MAX_CHUNK, check_wkv7_inputs
+from lwm_jax.ops.wkv7.contract import TPU_MAX_CHUNK, check_wkv7_inputs
 from lwm_jax.ops.segments import chunk_reset_counter
+from lwm_jax.remat_names import WKV7_RESIDUALS_NAME
 
 # Mosaic lowers DEFAULT (one bf16 MXU pass) and HIGHEST (full fp32); "high" (3 bf16 passes in
 # XLA) and "tf32x3" (no TF32 on TPU) run as HIGHEST here: never less precise than asked.
@@ -51,7 +52,7 @@ def _wkv7_core_fwd(r, w, k, v, a, b, h0, seg_col, seg_row, cfg: _Config):
     o, hT, states = wkv7_fwd_pallas(r, w, k, v, a, b, h0, seg_col, seg_row, H=cfg.H, C=cfg.C,
                                     output_dtype=cfg.output_dtype, save_states=True,
                                     precision=cfg.precision, interpret=cfg.interpret)
-    states = checkpoint_name(states, RESIDUALS_NAME)   # a remat policy may keep them
+    states = checkpoint_name(states, WKV7_RESIDUALS_NAME)   # a remat policy may keep them
     return (o, hT), (r, w, k, v, a, b, states, seg_col, seg_row)
 
 
