@@ -13,37 +13,11 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lwm_jax.cli import main as cli_main
-from lwm_jax.generate import (Generator, SamplingParams, add_generate_args, generate_main,
-                              load_state, load_state_file, save_state)
+from lwm_jax.generate import (add_generate_args, generate_main, load_state, load_state_file,
+                              save_state)
 from lwm_jax.generate.state_io import FORMAT, FORMAT_V1
 from lwm_jax.interop.native import save_native
-from lwm_jax.interop.testing import random_params
-from lwm_jax.models.rwkv7.config import ModelConfig
-
-CFG = ModelConfig(vocab_size=256, n_layer=2, n_embd=64, head_size=32, decay_lora=16, a_lora=16,
-                  v_lora=16, gate_lora=32).resolved()
-GREEDY = SamplingParams(temperature=0.0)
-
-
-def rel(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-@pytest.fixture(scope="module")
-def tree():
-    return random_params(CFG, seed=2)
-
-
-@pytest.fixture(scope="module")
-def model(tree):
-    from lwm_jax.interop.params import model_from_params
-    return model_from_params(CFG, tree)
-
-
-@pytest.fixture(scope="module")
-def gen(model):
-    return Generator(model, prefill_chunk=8)
+from generate_common import CFG, GREEDY, rel
 
 
 @pytest.fixture(scope="module")
