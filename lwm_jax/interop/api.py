@@ -40,6 +40,9 @@ def detect_format(path: str | os.PathLike) -> str:
         raise ValueError(f"checkpoint {str(p)!r}: unknown file type {p.suffix!r}; expected an "
                          "official .pth file or a directory (pass format= to force one)")
     if p.is_dir():
+        for name in (native.CONFIG, hf.CONFIG):     # a FIFO there is no "missing file"
+            if os.path.lexists(p / name) and not (p / name).is_file():
+                hf.regular_file(p / name, f"{name} must be a regular file")
         if native.is_native(p):
             return "lwm"
         if (p / hf.CONFIG).is_file():

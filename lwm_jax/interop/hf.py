@@ -108,8 +108,22 @@ def _read_tensors(root: Path) -> dict[str, np.ndarray]:
                 raise ValueError(f"{quote_path(root / name)}: tensor {key!r} is complex "
                                  f"({arr.dtype}); RWKV weights are real and the imaginary part "
                                  "would be lost")
+            if arr.dtype.kind in "iub":
+                raise ValueError(f"{quote_path(root / name)}: tensor {key!r} has dtype "
+                                 f"{arr.dtype}; weights must be floating point (re-export the "
+                                 "checkpoint with float32/bfloat16/float16 weights)")
             out[key] = np.asarray(arr, dtype=np.float32)
     return out
+
+
+def shape_of(arr: np.ndarray, name: str, ndim: int, where: str) -> tuple[int, ...]:
+    """`arr.shape` when it has `ndim` dimensions; else a one-line ValueError naming `name`
+    (sizes are read from shapes, so a wrong rank must not reach an unpacking or an index)."""
+    shape = tuple(int(d) for d in np.shape(arr))
+    if len(shape) != ndim:
+        raise ValueError(f"{where}: tensor {name!r} has shape {shape}, expected {ndim} "
+                         "dimensions; re-export the checkpoint")
+    return shape
 
 
 # config.json fields read here and the JSON types they must have
@@ -162,6 +176,9 @@ def _normalise(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> dict[str,
     """Undo FLA variants: fused `x_x [6, C]`, tied head, bias-free norms."""
     fused, order = layout.HF_FUSED_MIX
     for key in [k for k in sd if k.endswith("." + fused)]:
+        if sd[key].size % len(order) or sd[key].ndim == 0:
+            raise ValueError(f"{where}: tensor {key!r} has shape {tuple(sd[key].shape)}, expected "
+                             f"[{len(order)}, hidden_size]; re-export the checkpoint")
         stack = sd.pop(key).reshape(len(order), -1)
         for j, m in enumerate(order):
             sd[key[: -len(fused)] + f"attn.x_{m}"] = stack[j]
@@ -178,27 +195,27 @@ def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> Model
     if hf_cfg.get("model_type") != "rwkv7":
         raise ValueError(f"{where}: config.json model_type is {short(hf_cfg.get('model_type'))}, "
                          "expected 'rwkv7'")
-    def need(name):
+    def need(name, ndim=2):
         if name not in sd:
             raise ValueError(f"{where}: tensor {name!r} is missing")
-        return sd[name]
-    V, C = need("model.embeddings.weight").shape
+        return shape_of(sd[name], name, ndim, where)
+    V, C = need("model.embeddings.weight")
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     L = max(layers) + 1 if layers else 0
     if not layers or layers != set(range(L)):
         raise ValueError(f"{where}: layer indices {sorted(layers)} are not 0..{L - 1}")
-    H, N = need("model.layers.0.attn.r_k").shape
+    H, N = need("model.layers.0.attn.r_k")
     lay = "model.layers.{}.attn.{}_lora.lora.0.weight"
     v_name = next((lay.format(i, "v") for i in (1, 0) if lay.format(i, "v") in sd), None)
-    F = need("model.layers.0.ffn.key.weight").shape[0]
+    F = need("model.layers.0.ffn.key.weight")[0]
     if F % C or H * N != C:
         raise ValueError(f"{where}: ffn width {F} or heads {H}x{N} do not fit hidden size {C}")
     cfg = ModelConfig(
         vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
-        decay_lora=int(need(lay.format(0, "w")).shape[0]),
-        a_lora=int(need(lay.format(0, "a")).shape[0]),
-        v_lora=int(sd[v_name].shape[0]) if v_name else None,   # one layer: the rule
-        gate_lora=int(need(lay.format(0, "g")).shape[0]), ffn_mult=int(F // C)).resolved()
+        decay_lora=int(need(lay.format(0, "w"))[0]),
+        a_lora=int(need(lay.format(0, "a"))[0]),
+        v_lora=int(need(v_name)[0]) if v_name else None,   # one layer: the rule
+        gate_lora=int(need(lay.format(0, "g"))[0]), ffn_mult=int(F // C)).resolved()
     checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": N}
     for key, value in checks.items():
         if hf_cfg.get(key) is not None and int(hf_cfg[key]) != int(value):
@@ -214,6 +231,17 @@ def config_from_hf(sd: dict[str, np.ndarray], hf_cfg: dict, where: str) -> Model
     return cfg
 
 
+def require_config(root: Path) -> None:
+    """ValueError (one line) when `<root>/config.json` is missing or not a regular file."""
+    file = root / CONFIG
+    if file.is_file():
+        return
+    if os.path.lexists(file):
+        regular_file(file, "give a Hugging Face model directory whose config.json is a file")
+    raise ValueError(f"checkpoint {str(root)!r}: no config.json; expected a Hugging Face model "
+                     "directory")
+
+
 def read_hf(root: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """Read an FLA/HF RWKV-7 directory -> `(cfg, params tree)` (float32 leaves).
 
@@ -223,8 +251,7 @@ def read_hf(root: str | os.PathLike) -> tuple[ModelConfig, dict]:
     """
     root = Path(root)
     where = f"checkpoint {str(root)!r}"
-    if not (root / CONFIG).is_file():
-        raise ValueError(f"{where}: no config.json; expected a Hugging Face model directory")
+    require_config(root)
     hf_cfg = read_hf_config(root / CONFIG)
     sd = _normalise(_read_tensors(root), hf_cfg, where)
     cfg = config_from_hf(sd, hf_cfg, where)

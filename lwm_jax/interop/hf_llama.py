@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from lwm_jax.interop.hf import CONFIG, _read_tensors, read_hf_config
+from lwm_jax.interop.hf import CONFIG, _read_tensors, read_hf_config, require_config, shape_of
 from lwm_jax.interop.params import check_finite
 from lwm_jax.models.llama.config import LlamaConfig, RopeScaling
-from lwm_jax.user_input import short
+from lwm_jax.user_input import quote_path, short
 
 LAYER = "model.layers.{}."
 MATRICES = {("attn", "q"): "self_attn.q_proj", ("attn", "k"): "self_attn.k_proj",
@@ -106,8 +106,37 @@ def _rope_from(hf: dict, where: str) -> tuple[float, RopeScaling | None]:
     return float(theta), RopeScaling(**fields)
 
 
-def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str) -> LlamaConfig:
-    """`LlamaConfig` from tensor shapes, cross-checked with `config.json` (`hf`)."""
+def _hf_field(internal: str, hf: dict) -> str | None:
+    """The config.json field behind `LlamaConfig`'s `model.<internal>` (None: from shapes)."""
+    rope_key = "rope_parameters" if isinstance(hf.get("rope_parameters"), dict) else "rope_scaling"
+    if internal == "model.rope_theta":
+        return ("rope_parameters.rope_theta" if rope_key == "rope_parameters"
+                and "rope_theta" in hf["rope_parameters"] else "rope_theta")
+    if internal.startswith("model.rope_scaling"):
+        sub = internal[len("model.rope_scaling"):].lstrip(".")
+        return f"{rope_key}.{'rope_type' if sub == 'kind' else sub}" if sub else rope_key
+    return {"model.rms_eps": "rms_norm_eps",
+            "model.max_seq_len": "max_position_embeddings"}.get(internal)
+
+
+def _config_error(err: ValueError, hf: dict, config_file: str) -> ValueError:
+    """`err` from building `LlamaConfig` / `RopeScaling` (naming our `model.<key>`) restated with
+    the config.json field it came from."""
+    text = str(err)
+    internal, sep, detail = text.partition(": ")
+    field = _hf_field(internal, hf) if sep else None
+    if field is None:
+        return ValueError(f"{config_file}: {text} (sizes read from config.json and the tensor "
+                          "shapes); fix the file or re-export the checkpoint")
+    return ValueError(f"{config_file}: field {field!r} {detail}; fix the value in the file or "
+                      "re-download the checkpoint")
+
+
+def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str,
+                         config_file: str | None = None) -> LlamaConfig:
+    """`LlamaConfig` from tensor shapes, cross-checked with `config.json` (`hf`, read from
+    `config_file`, which error messages name)."""
+    config_file = config_file or f"{where}: config.json"
     if hf.get("model_type") != "llama":
         raise ValueError(f"{where}: config.json model_type is {short(hf.get('model_type'))}, "
                          "expected 'llama'")
@@ -118,17 +147,17 @@ def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str) -> Lla
         raise ValueError(f"{where}: config.json hidden_act={short(hf.get('hidden_act'))}; only "
                          "silu (SwiGLU) is supported")
 
-    def need(name):
+    def need(name, ndim=2):
         if name not in sd:
             raise ValueError(f"{where}: tensor {name!r} is missing")
-        return sd[name]
-    V, C = need("model.embed_tokens.weight").shape
+        return shape_of(sd[name], name, ndim, where)
+    V, C = need("model.embed_tokens.weight")
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"model\.layers\.(\d+)\.", k))}
     L = max(layers) + 1 if layers else 0
     if not layers or layers != set(range(L)):
         raise ValueError(f"{where}: layer indices {sorted(layers)} are not 0..{L - 1}")
-    q_width = need(LAYER.format(0) + "self_attn.q_proj.weight").shape[0]
-    kv_width = need(LAYER.format(0) + "self_attn.k_proj.weight").shape[0]
+    q_width = need(LAYER.format(0) + "self_attn.q_proj.weight")[0]
+    kv_width = need(LAYER.format(0) + "self_attn.k_proj.weight")[0]
     H = _field(hf, "num_attention_heads", where, int, 0)
     if H < 1 or q_width % H:
         raise ValueError(f"{where}: config.json num_attention_heads={short(H)} does not divide "
@@ -136,14 +165,20 @@ def config_from_hf_llama(sd: dict[str, np.ndarray], hf: dict, where: str) -> Lla
     D = q_width // H
     if kv_width % D:
         raise ValueError(f"{where}: key width {kv_width} is not a multiple of head_dim {D}")
-    theta, scaling = _rope_from(hf, where)
     tied = bool(hf.get("tie_word_embeddings", "lm_head.weight" not in sd))
-    cfg = LlamaConfig(
-        vocab_size=int(V), n_layer=L, n_embd=int(C), n_head=H, n_kv_head=kv_width // D,
-        head_dim=D, ffn_hidden=int(need(LAYER.format(0) + "mlp.gate_proj.weight").shape[0]),
-        rms_eps=_field(hf, "rms_norm_eps", where, float, 1e-6), rope_theta=theta,
-        rope_scaling=scaling, tie_embeddings=tied,
-        max_seq_len=_field(hf, "max_position_embeddings", where, int, 2048))
+    ffn = int(need(LAYER.format(0) + "mlp.gate_proj.weight")[0])
+    rms_eps = _field(hf, "rms_norm_eps", where, float, 1e-6)
+    max_len = _field(hf, "max_position_embeddings", where, int, 2048)
+    try:
+        theta, scaling = _rope_from(hf, where)
+        cfg = LlamaConfig(
+            vocab_size=int(V), n_layer=L, n_embd=int(C), n_head=H, n_kv_head=kv_width // D,
+            head_dim=D, ffn_hidden=ffn, rms_eps=rms_eps, rope_theta=theta,
+            rope_scaling=scaling, tie_embeddings=tied, max_seq_len=max_len)
+    except ValueError as err:
+        if str(err).startswith(where):          # already names the checkpoint and field
+            raise
+        raise _config_error(err, hf, config_file) from None
     checks = {"hidden_size": C, "num_hidden_layers": L, "vocab_size": V, "head_dim": D,
               "num_key_value_heads": cfg.n_kv_head, "intermediate_size": cfg.ffn_hidden}
     for key, value in checks.items():
@@ -202,11 +237,10 @@ def read_hf_llama(root: str | os.PathLike) -> tuple[LlamaConfig, dict]:
     """
     root = Path(root)
     where = f"checkpoint {str(root)!r}"
-    if not (root / CONFIG).is_file():
-        raise ValueError(f"{where}: no config.json; expected a Hugging Face model directory")
+    require_config(root)
     hf = read_hf_config(root / CONFIG)
     sd = _read_tensors(root)
-    cfg = config_from_hf_llama(sd, hf, where)
+    cfg = config_from_hf_llama(sd, hf, where, quote_path(root / CONFIG))
     tree = gather_llama(sd, cfg, where)
     check_finite(tree, where)
     return cfg, tree

@@ -127,6 +127,16 @@ def restore_params(ckpt_dir: str | os.PathLike, cfg: ModelConfig) -> dict:
 
 
 def load_native(path: str | os.PathLike) -> tuple[ModelConfig, dict]:
-    """Read a directory written by `save_native` -> `(cfg, params tree)`."""
+    """Read a directory written by `save_native` -> `(cfg, params tree)`.
+
+    Raises ValueError (one line naming the directory and `config.yaml`) when the stored params
+    do not have the shapes `config.yaml`'s model section gives."""
     cfg = read_config(path)
-    return cfg, restore_params(Path(path) / PARAMS, cfg)
+    tree = restore_params(Path(path) / PARAMS, cfg)
+    try:
+        params.check_tree(cfg, tree, f"checkpoint {quote_path(path)}")
+    except ValueError as err:
+        raise ValueError(f"{err}; {CONFIG}'s model: section does not match the params/ stored "
+                         f"next to it: restore {quote_path(Path(path) / CONFIG)} or re-create the "
+                         "checkpoint (lwm-jax convert)") from None
+    return cfg, tree

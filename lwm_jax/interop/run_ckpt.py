@@ -17,6 +17,7 @@ newest. (`lwm-jax train` does resume from the newest intact step, with a warning
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import jax
@@ -36,6 +37,9 @@ def _run_config(run_dir: Path) -> dict | None:
     mapping. Raises ValueError (one line naming the file) for bad or refused YAML."""
     file = run_dir / CONFIG
     if not file.is_file():
+        if os.path.lexists(file) and not file.is_dir():
+            raise ValueError(f"{quote_path(file)}: not a regular file (a FIFO, device or "
+                             "socket); give a training run directory whose config.yaml is a file")
         return None
     doc = load_yaml_file(file)
     return doc if isinstance(doc, dict) and isinstance(doc.get("model"), dict) else None
@@ -53,14 +57,16 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
 
 
 def complete_steps(run_dir: str | os.PathLike) -> list[int]:
-    """Steps with a finished `state` item (orbax's temporary directories are not numbers)."""
+    """Steps with a finished `state` item (orbax's temporary directories are not numbers, and
+    only ASCII digit names count: `²` is a digit to `str.isdigit` but not to `int`)."""
     root = checkpoint_dir(run_dir)
     if not root.is_dir():
         return []
     def done(step_dir: Path) -> bool:
         state = step_dir / "state"
         return (state / "commit_success.txt").exists() or (state / "_METADATA").exists()
-    return sorted(int(p.name) for p in root.iterdir() if p.name.isdigit() and done(p))
+    return sorted(int(p.name) for p in root.iterdir()
+                  if re.fullmatch(r"[0-9]+", p.name) and done(p))
 
 
 def is_run_dir(path: str | os.PathLike) -> bool:

@@ -32,9 +32,20 @@ def _need(sd: Mapping[str, np.ndarray], name: str, where: str) -> np.ndarray:
     return sd[name]
 
 
+def _shape(sd: Mapping[str, np.ndarray], name: str, where: str, ndim: int = 2) -> tuple[int, ...]:
+    """The shape of tensor `name`, which must exist and have `ndim` dimensions (sizes are read
+    from shapes, so a wrong rank must not reach an unpacking or an index)."""
+    _need(sd, name, where)
+    shape = tuple(int(d) for d in np.shape(sd[name]))
+    if len(shape) != ndim:
+        raise ValueError(f"{where}: tensor {name!r} has shape {shape}, expected {ndim} "
+                         "dimensions; re-save the checkpoint")
+    return shape
+
+
 def config_from_official(sd: Mapping[str, np.ndarray], where: str = "checkpoint") -> ModelConfig:
     """`ModelConfig` from the shapes of an official state dict (prefix already stripped)."""
-    V, C = _need(sd, "emb.weight", where).shape
+    V, C = _shape(sd, "emb.weight", where)
     layers = {int(m.group(1)) for k in sd if (m := re.match(r"blocks\.(\d+)\.", k))}
     if not layers:
         raise ValueError(f"{where}: no 'blocks.N.' tensors; is this an RWKV checkpoint?")
@@ -44,19 +55,20 @@ def config_from_official(sd: Mapping[str, np.ndarray], where: str = "checkpoint"
     if "blocks.0.att.w0" not in sd or "blocks.0.att.r_k" not in sd:
         raise ValueError(f"{where}: blocks.0.att.w0 / r_k missing: not an RWKV-7 (x070) "
                          "checkpoint (RWKV-4/5/6 files are not supported)")
-    H, N = sd["blocks.0.att.r_k"].shape
+    H, N = _shape(sd, "blocks.0.att.r_k", where)
     if H * N != C:
         raise ValueError(f"{where}: blocks.0.att.r_k has shape [{H}, {N}] but n_embd is {C}")
-    F = _need(sd, "blocks.0.ffn.key.weight", where).shape[0]
+    F = _shape(sd, "blocks.0.ffn.key.weight", where)[0]
     if F % C:
         raise ValueError(f"{where}: ffn.key.weight has {F} rows, not a multiple of n_embd={C}")
-    v1 = next((sd[f"blocks.{i}.att.v1"] for i in (1, 0) if f"blocks.{i}.att.v1" in sd), None)
+    v1 = next((_shape(sd, f"blocks.{i}.att.v1", where) for i in (1, 0)
+               if f"blocks.{i}.att.v1" in sd), None)
     cfg = ModelConfig(
         vocab_size=int(V), n_layer=L, n_embd=int(C), head_size=int(N),
-        decay_lora=int(_need(sd, "blocks.0.att.w1", where).shape[1]),
-        a_lora=int(_need(sd, "blocks.0.att.a1", where).shape[1]),
-        v_lora=int(v1.shape[1]) if v1 is not None else None,   # one layer: the rule
-        gate_lora=int(_need(sd, "blocks.0.att.g1", where).shape[1]),
+        decay_lora=int(_shape(sd, "blocks.0.att.w1", where)[1]),
+        a_lora=int(_shape(sd, "blocks.0.att.a1", where)[1]),
+        v_lora=int(v1[1]) if v1 is not None else None,   # one layer: the rule
+        gate_lora=int(_shape(sd, "blocks.0.att.g1", where)[1]),
         ffn_mult=int(F // C))
     return cfg.resolved()
 

@@ -49,16 +49,18 @@ def _refusal(path, err: Exception) -> str:
 
 
 def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
-    """Read a `.pth` state dict as `{name: float32 (or integer) NumPy array}`.
+    """Read a `.pth` state dict as `{name: float32 NumPy array}`.
 
     bf16 / fp16 tensors are widened to float32 exactly; views, transposed or expanded tensors
     are copied out densely. Raises ValueError (one line) for a malicious or non-tensor pickle, a
     missing or unreadable file, a file that is not a mapping of tensors, and a tensor that is
-    meta, sparse, nested, quantized or complex (named). ImportError when torch is missing.
+    meta, sparse, nested, quantized, complex or not floating point (named). ImportError when torch is missing.
     """
     torch = require_torch(f"reading {os.fspath(path)!r}")
     if not os.path.isfile(path):
-        raise ValueError(f"checkpoint {os.fspath(path)!r}: no such file")
+        what = ("not a regular file (a FIFO, device, socket or directory)"
+                if os.path.lexists(path) else "no such file")
+        raise ValueError(f"checkpoint {os.fspath(path)!r}: {what}")
     with warnings.catch_warnings():      # torch's own deprecation notes are no use to the user
         warnings.simplefilter("ignore")
         return _load(torch, path)
@@ -114,6 +116,9 @@ def _to_numpy(torch, value, name: str, where: str) -> np.ndarray:
     elif t.is_complex():
         problem = (f"is complex ({t.dtype}); RWKV weights are real and the imaginary part "
                    "would be lost")
+    elif not t.is_floating_point():
+        problem = (f"has dtype {str(t.dtype).replace('torch.', '')}; weights must be floating "
+                   "point (re-save it as float32/bfloat16/float16)")
     if problem:
         raise ValueError(f"{where}: tensor {name!r} {problem}")
     try:

@@ -28,6 +28,8 @@ from lwm_jax.tokenizers.world_fast import PieceEncoder, boundary_pairs
 
 VOCAB_FILENAME = "rwkv_vocab_v20230424.txt"
 WORLD_VOCAB_SIZE = 65536  # model vocabulary (ids 0..65529 used, padded to a multiple of 64)
+# ids in a vocabulary file are bounded: the id -> bytes table is a list as long as the largest id
+MAX_WORLD_ID = 2 ** 24
 _ID = -1  # key of a trie node's token id
 FAST_MIN_BYTES = 256  # shorter inputs: the trie walk alone (NumPy's per-call cost dominates)
 
@@ -81,6 +83,10 @@ def read_world_vocab(path: str | os.PathLike) -> dict[int, bytes]:
                 raise ValueError(f"{where}: token must be a non-empty str or bytes literal")
             if len(tok) != n_bytes:
                 raise ValueError(f"{where}: token is {len(tok)} bytes but the line says {n_bytes}")
+            if idx >= MAX_WORLD_ID:
+                raise ValueError(f"{where}: id {idx} is too large (ids must be below "
+                                 f"{MAX_WORLD_ID}; the World vocabulary has {WORLD_VOCAB_SIZE}); "
+                                 "fix the vocabulary file")
             if idx <= 0 or idx in table:
                 raise ValueError(f"{where}: id {idx} is duplicated or not positive (0 is end-of-document)")
             if tok in seen:

@@ -83,6 +83,8 @@ def test_world_greedy_longest_match_on_tiny_vocab(tmp_path):
     ("257 b'a' 1", "already has id 98"),
     ("257 12 2", "must be a non-empty str or bytes"),
     ("nonsense", "expected '<id> <literal> <n_bytes>'"),
+    # a huge id once allocated a [None] * (id + 1) table: MemoryError instead of a message
+    ("1000000000000000 'zz' 2", "id 1000000000000000 is too large"),
 ])
 def test_world_vocab_errors_name_file_and_line(tmp_path, line, message):
     path = _tiny_vocab(tmp_path / "v.txt", [])
