@@ -26,6 +26,7 @@ sandbox: task files are data until the user says they trust them. Arguments:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -95,12 +96,13 @@ def eval_main(args: argparse.Namespace, out=None, err=None) -> dict:
     model, cfg, tok = load_model_and_tokenizer(args)
     _stage(err, _describe(model, args.ctx_len))
     results: dict = {}
-    if args.data:
-        results["perplexity"] = _perplexity(args, model, tok, err)
-    if texts is not None:
-        results["lambada"] = _lambada(args, model, tok, texts, err)
-    if tasks:
-        results["lm_eval"] = _run_lm_eval(args, model, tok, manager, names, err)
+    with _closing_bars():
+        if args.data:
+            results["perplexity"] = _perplexity(args, model, tok, err)
+        if texts is not None:
+            results["lambada"] = _lambada(args, model, tok, texts, err)
+        if tasks:
+            results["lm_eval"] = _run_lm_eval(args, model, tok, manager, names, err)
     text = json.dumps(results, indent=2, allow_nan=False) + "\n"
     out.write(text)
     out.flush()
@@ -188,11 +190,28 @@ def _check_task_options(args: argparse.Namespace) -> None:
                          "of task YAML files")
 
 
+_OPEN_BARS: list = []     # bars not yet closed: `_closing_bars` closes them when a stage fails
+
+
+@contextlib.contextmanager
+def _closing_bars():
+    """Close every progress bar opened inside when leaving (an error included), so an error
+    message prints on its own line after the bar, not into it, and no bar is redrawn after it."""
+    mark = len(_OPEN_BARS)
+    try:
+        yield
+    finally:
+        while len(_OPEN_BARS) > mark:
+            _OPEN_BARS.pop().close()
+
+
 def _progress_bar(kind: str, total: int, err=None, unit: str = "req"):
     """A progress bar on `err` (default stderr) over `total` units of one kind; returns its
-    updater `update(n_done)`, which closes the bar at `total`."""
+    updater `update(n_done)`, which closes the bar at `total` (`_closing_bars` closes it
+    earlier when the stage fails)."""
     from tqdm import tqdm
     bar = tqdm(total=total, desc=f"[eval] {kind}", file=err or sys.stderr, unit=unit)
+    _OPEN_BARS.append(bar)
 
     def update(n: int) -> None:
         bar.update(n)

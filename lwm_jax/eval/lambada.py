@@ -67,10 +67,16 @@ def split_last_word(text: str) -> tuple[str, str]:
 def read_jsonl(path: str | os.PathLike, max_examples: int | None = None) -> list[str]:
     """The `"text"` field of each non-empty line of a JSONL file (at most `max_examples`).
 
-    Raises ValueError naming `file:line` for a line that is not UTF-8, not JSON or has no string
-    `"text"`, and for a file without examples; OSError when it cannot be opened.
+    Raises ValueError naming `file:line` for a line that is not UTF-8, not JSON, has no string
+    `"text"`, a text holding a lone surrogate or without a last word (`split_last_word`), for a
+    path that is not a regular file (a FIFO would block) and for a file without examples;
+    OSError when it cannot be opened.
     """
     texts: list[str] = []
+    name = os.fspath(path)
+    if os.path.exists(name) and not os.path.isfile(name):   # a FIFO would block open()
+        kind = "a directory" if os.path.isdir(name) else "a FIFO, device or socket"
+        raise ValueError(f"--lambada: {name!r} is not a regular file ({kind}); give a JSONL file")
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -87,7 +93,20 @@ def read_jsonl(path: str | os.PathLike, max_examples: int | None = None) -> list
             if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
                 raise ValueError(f"{os.fspath(path)}:{lineno}: expected an object with a "
                                  "string 'text' field")
-            texts.append(obj["text"])
+            text = obj["text"]
+            try:
+                text.encode("utf-8")
+            except UnicodeEncodeError as err:
+                raise ValueError(f"{name}:{lineno}: 'text' holds a lone surrogate "
+                                 f"({text[err.start]!r} at character {err.start}), which is not "
+                                 "Unicode text; fix the line") from None
+            try:
+                split_last_word(text)
+            except ValueError:
+                raise ValueError(f"{name}:{lineno}: 'text' has no 'context last-word' split at "
+                                 "a space (LAMBADA needs context, a space, then the last "
+                                 "word)") from None
+            texts.append(text)
             if max_examples is not None and len(texts) >= max_examples:
                 break
     if not texts:

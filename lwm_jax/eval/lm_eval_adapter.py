@@ -20,6 +20,7 @@ import contextlib
 import difflib
 import math
 import os
+import stat
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -114,8 +115,51 @@ def _code_tag(root) -> str | None:
     return None
 
 
+def _registered_metrics() -> set:
+    """Names of the metrics lm-eval has registered (its own Python); any other metric name
+    makes lm-eval call `evaluate.load(name)`, which imports Python from a path or the Hub."""
+    import lm_eval.api.metrics  # noqa: F401 -- registers lm-eval's metrics
+    from lm_eval.api import registry
+    reg = getattr(registry, "metric_registry", None)
+    if reg is None:
+        reg = getattr(registry, "METRIC_REGISTRY", {})
+    return {name for name in reg if isinstance(name, str)}
+
+
+def _metric_code(data) -> str | None:
+    """Why a task YAML's parsed data would load a metric through Hugging Face `evaluate` (an
+    unregistered metric name, or `hf_evaluate: true`), or None. Every `metric_list` anywhere in
+    the document is checked (a group may define its tasks inline)."""
+    known = None
+    stack, seen = [data], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if isinstance(node, dict):
+            metrics = node.get("metric_list")
+            for entry in metrics if isinstance(metrics, list) else ():
+                if not isinstance(entry, dict):
+                    continue
+                name = entry.get("metric")
+                if entry.get("hf_evaluate") is True:
+                    return (f"metric {str(name)[:80]!r} has hf_evaluate: true, which loads "
+                            "Python through Hugging Face evaluate")
+                if isinstance(name, str):
+                    known = _registered_metrics() if known is None else known
+                    if name not in known:
+                        return (f"metric {name[:80]!r} is not one lm-eval registers, so lm-eval "
+                                "would load it as Python through Hugging Face evaluate")
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return None
+
+
 def _read_task_yaml(path: Path) -> tuple[str | None, list[Path]]:
-    """`(code tag or None, files named by its top-level include:)` of one task YAML file.
+    """`(why it runs code or None, files named by its top-level include:)` of one task YAML
+    file: a code tag, or a metric lm-eval would load through `evaluate` (`_metric_code`).
     Includes resolve as lm-eval resolves them: relative to the real file's directory.
 
     Raises ValueError (one line) when the file cannot be read or parsed: an unreadable file
@@ -135,6 +179,12 @@ def _read_task_yaml(path: Path) -> tuple[str | None, list[Path]]:
         raise ValueError(f"--include-path: {quote_path(path)} could not be checked for task "
                          f"code ({one_line(err, 160)}); fix or remove it, or pass "
                          "--allow-task-code if you trust the directory") from None
+    if tag is None:
+        metric = _metric_code(data)
+        if metric is not None:
+            return metric, []
+    else:
+        tag = f"has a {tag} tag, which imports Python"
     includes = data.get("include") if isinstance(data, dict) else None
     names = includes if isinstance(includes, list) else [includes]
     return tag, [real.parent / n for n in names if isinstance(n, str)]
@@ -145,13 +195,16 @@ def _yaml_code(path: Path, seen: set) -> str | None:
     stack = [(path, None)]
     while stack:
         file, parent = stack.pop()
+        if file.exists() and not file.is_file() and not file.is_dir():
+            raise ValueError(f"--include-path: {quote_path(file)} is not a regular file (a "
+                             "FIFO, device or socket); remove it")
         if file.resolve() in seen or not file.is_file():
             continue           # a missing include or dangling link: lm-eval fails, nothing runs
         seen.add(file.resolve())
         tag, includes = _read_task_yaml(file)
         if tag is not None:
             via = f" (included by {quote_path(parent)})" if parent is not None else ""
-            return f"{quote_path(file)}{via} has a {tag} tag, which imports Python"
+            return f"{quote_path(file)}{via} {tag}"
         stack.extend((inc, file) for inc in reversed(includes))
     return None
 
@@ -159,9 +212,11 @@ def _yaml_code(path: Path, seen: set) -> str | None:
 def find_task_code(include_path) -> str | None:
     """Why lm-eval would run Python from `include_path` (a directory or a list of them), or
     None: the first file, in sorted path order, that is a `.py` file or a task YAML carrying
-    a `!function` (or `!!python/`) tag, itself or in a file it includes. Directories are
+    a `!function` (or `!!python/`) tag or a `metric_list` metric that lm-eval would load
+    through Hugging Face `evaluate` (a name it has not registered, or `hf_evaluate: true`),
+    itself or in a file it includes. Directories are
     searched recursively as lm-eval searches them (`**/*.yaml`). Raises ValueError (one line)
-    for a task YAML that cannot be parsed.
+    for a task YAML that cannot be parsed or a `*.yaml` that is not a regular file.
 
     Python is one way in; the other, prompt templates (rendered by lm-eval with an
     unsandboxed Jinja environment, which can reach Python objects), is closed by
@@ -170,6 +225,7 @@ def find_task_code(include_path) -> str | None:
     seen: set = set()
     for root in map(Path, roots or ()):
         files = sorted((*root.glob("**/*.py"), *root.glob("**/*.yaml")), key=Path.as_posix)
+        check_regular_task_files(root)
         for file in files:
             why = (f"{quote_path(file)} is Python" if file.suffix == ".py"
                    else _yaml_code(file, seen))
@@ -178,11 +234,30 @@ def find_task_code(include_path) -> str | None:
     return None
 
 
+def check_regular_task_files(include_path) -> None:
+    """ValueError (one line) for a `*.yaml` / `*.yml` under `include_path` (a directory or a list
+    of them) that is not a regular file (a FIFO, device or socket): lm-eval's indexer opens
+    every one and would block on a FIFO. Links are followed; a dangling one is left to lm-eval."""
+    roots = [include_path] if isinstance(include_path, (str, os.PathLike)) else include_path
+    for root in map(Path, roots or ()):
+        for file in sorted((*root.glob("**/*.yaml"), *root.glob("**/*.yml")), key=Path.as_posix):
+            try:
+                mode = file.stat().st_mode
+            except OSError:
+                continue
+            if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+                raise ValueError(f"--include-path: {quote_path(file)} is not a regular file (a "
+                                 "FIFO, device or socket); remove it")
+
+
 def check_task_code(include_path, allow: bool = False) -> None:
     """Refuse, unless `allow` (`--allow-task-code`), an include path from which lm-eval would
     run Python (`find_task_code`): ValueError, one line naming the file. Call it before
     `task_manager` reads the directory: loading a task imports its `!function` modules."""
-    if allow or not include_path:
+    if not include_path:
+        return
+    check_regular_task_files(include_path)
+    if allow:
         return
     why = find_task_code(include_path)
     if why:
@@ -290,6 +365,38 @@ def check_task_names(names: Sequence[str], manager) -> list[str]:
     return names
 
 
+def _fewshot_pool(manager, names) -> str:
+    """` (N available)`: the fewest few-shot documents among `names`' tasks, or "" when that
+    cannot be told without fetching anything more."""
+    import warnings
+    counts = []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")     # load_task_or_group's deprecation notice
+            tasks = [t for name in names for t in _leaf_tasks(manager.load_task_or_group([name]))]
+        for task in tasks:
+            docs = task.fewshot_docs() if hasattr(task, "fewshot_docs") else None
+            if docs is None:
+                return ""
+            counts.append(len(docs))
+    except Exception:   # noqa: BLE001 -- only a hint: the message stands without it
+        return ""
+    return f" (its few-shot pool holds {min(counts)})" if counts else ""
+
+
+def _leaf_tasks(tree) -> list:
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple)):
+            stack.extend(node)
+        else:
+            out.append(node)
+    return out
+
+
 def _finite_or_none(value):
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
@@ -308,7 +415,7 @@ def run_tasks(harness: HarnessModel, tasks: Sequence[str], *, num_fewshot: int |
     template the sandbox stops, and when a task's data cannot be loaded (offline, say).
     """
     import lm_eval
-    from jinja2.exceptions import SecurityError
+    from jinja2.exceptions import SecurityError, TemplateError
     if num_fewshot is not None and (not isinstance(num_fewshot, int) or num_fewshot < 0):
         raise ValueError(f"--num-fewshot: must be an integer >= 0, got {num_fewshot!r}")
     if limit is not None and (not isinstance(limit, int) or limit < 1):
@@ -326,6 +433,18 @@ def run_tasks(harness: HarnessModel, tasks: Sequence[str], *, num_fewshot: int |
                          f"Python internals ({one_line(str(err), 120)}), which the template "
                          "sandbox refuses; pass --allow-task-code if you trust the directory and "
                          "its templates") from None
+    except TemplateError as err:    # a typo'd field, an Undefined subscripted, bad syntax
+        raise ValueError(f"--tasks {','.join(names)}: a template of the task fails to render "
+                         f"({type(err).__name__}: {one_line(str(err), 160)}); fix doc_to_text/"
+                         "doc_to_target/doc_to_choice in the task YAML" +
+                         ("; --include-path templates render in a sandbox that leaves Python "
+                          "internals undefined" if sandbox else "")) from None
+    except ValueError as err:
+        if "Sample larger than population" not in str(err):
+            raise
+        raise ValueError(f"--num-fewshot: {num_fewshot} is more than the few-shot examples "
+                         f"--tasks {','.join(names)} has{_fewshot_pool(manager, names)}; give a "
+                         "smaller --num-fewshot") from None
     except Exception as err:   # noqa: BLE001 -- only data-loading failures are rephrased
         if type(err).__module__.split(".")[0] not in _DATA_ERROR_MODULES and \
                 not isinstance(err, ConnectionError):

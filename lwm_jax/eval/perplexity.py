@@ -179,6 +179,10 @@ def check_stream_path(path: str | os.PathLike) -> None:
     `load_stream` reads); reads nothing, so a typo is caught before a model is loaded."""
     p = Path(path)
     prefix = p.with_suffix("") if p.suffix in (".bin", ".idx") else p
+    for part in (p, Path(f"{prefix}.idx"), Path(f"{prefix}.bin")):
+        if part.exists() and not part.is_file() and not part.is_dir():   # open() would block
+            raise ValueError(f"data: {str(part)!r} is not a regular file (a FIFO, device or "
+                             "socket); give a text file or a binidx prefix")
     if not (p.is_file() or (Path(f"{prefix}.idx").is_file() and Path(f"{prefix}.bin").is_file())):
         raise ValueError(f"data: {str(p)!r} is neither a text file nor a binidx prefix "
                          "(expected PREFIX.bin + PREFIX.idx)")
