@@ -43,6 +43,15 @@ DEBUG_VARS = ("LWM_DEBUG", "LWM_JAX_DEBUG")
 
 
 # ------------------------------------------------------------------------------------ train
+def check_config_path(path: str | None) -> None:
+    """Refuse (one line) a `--config` that exists but is not a regular file or directory (a
+    FIFO would block the read; `load_config` would call it "not found")."""
+    if path is not None and os.path.exists(path) and not os.path.isfile(path) \
+            and not os.path.isdir(path):
+        raise ValueError(f"--config: {quote_path(path)} is not a regular file (a FIFO, device "
+                         "or socket); give a YAML file")
+
+
 def train_main(args: argparse.Namespace) -> int:
     """`lwm-jax train`: load + validate the config; check the run directories, the memory and
     the data's recorded tokenizer before anything is allocated; then train. Returns the exit
@@ -50,6 +59,7 @@ def train_main(args: argparse.Namespace) -> int:
     checkpoint); raises ValueError (one line) for bad input."""
     from lwm_jax.train.config import load_config
 
+    check_config_path(args.config)
     # --print-config shows the resolved config only: the data need not exist yet
     cfg = load_config(args.config, args.overrides, data_files=not args.print_config)
     if args.print_config:
@@ -121,6 +131,7 @@ def precision_report_main(args: argparse.Namespace) -> int:
 
     from lwm_jax.models.registry import get_arch
     from lwm_jax.train.config import load_config
+    check_config_path(args.config)
     cfg = load_config(args.config, args.overrides, data_files=False)   # the model only
     model = get_arch(cfg.arch).model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
                                          rngs=nnx.Rngs(cfg.train.seed))

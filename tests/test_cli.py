@@ -65,3 +65,11 @@ def test_sigterm_before_training_starts_is_one_line_and_143():
                          timeout=120)
     assert run.returncode == 143, (run.returncode, run.stderr)
     assert run.stderr.strip() == "lwm-jax train: stopped by SIGTERM"
+
+
+def test_config_fifo_is_not_a_regular_file(tmp_path, capsys):
+    import os
+    os.mkfifo(tmp_path / "c.yaml")
+    assert main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not a regular file (a FIFO" in err[0] and "c.yaml" in err[0]

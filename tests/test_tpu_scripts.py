@@ -665,3 +665,26 @@ def test_setup_and_launch_commands_work_in_a_shell(tmp_path):
     assert ("<train><--config><lwm_jobs/j1/c.yaml><--compiled><lwm_jobs/j1/it's.bin>"
             "<name=it's mine><train.lr=3e-4>") in text
     assert "flags<--a=1 --b=true>" in text
+
+
+def test_fifo_flags_file_and_compiled_are_one_line(tmp_path):
+    import threading
+    from tpu_scripts.checks import check_compiled
+    os.mkfifo(tmp_path / "flags")
+    os.mkfifo(tmp_path / "s.bin")
+    t = threading.Timer(5, lambda: os.close(os.open(tmp_path / "flags", os.O_RDWR)))
+    t.daemon = True                      # unblocks a reader stuck on the FIFO (the bug)
+    t.start()
+    with pytest.raises(ValueError, match=r"^--flags-file: .*flags is not a regular file \(a FIFO"):
+        read_flags(str(tmp_path / "flags"))
+    with pytest.raises(ValueError, match=r"^--compiled: .*s\.bin is not a regular file \(a FIFO"):
+        check_compiled(str(tmp_path / "s.bin"), None, None, "c.yaml", [])
+
+
+def test_cut_values_keep_their_quotes():
+    from tpu_scripts.quoting import clip
+    from tpu_scripts.slices import check_zone
+    assert clip("x" * 40, 30) == repr("x" * 30) + "..." and clip("ab", 30) == "'ab'"
+    with pytest.raises(ValueError) as err:
+        check_zone("Z" * 100)
+    assert ("'" + "Z" * 60 + "'...") in str(err.value)

@@ -26,6 +26,7 @@ import os
 import shlex
 from typing import Sequence
 
+from tpu_scripts.quoting import clip
 from tpu_scripts.slices import Slice
 
 
@@ -46,24 +47,24 @@ def check_launch(config_path: str, overrides: Sequence[str], slice_: Slice | Non
 
     cfg = load_config(config_path, [*overrides, "data.path=null", "data.val_path=null"])
     if "://" in cfg.resolved_run_dir:
-        raise ValueError(f"run_dir: {cfg.resolved_run_dir!r:.100} is a URL, but lwm-jax train "
+        raise ValueError(f"run_dir: {clip(cfg.resolved_run_dir, 100)} is a URL, but lwm-jax train "
                          "writes the run dir with local file calls; leave run_dir local (worker "
                          "0 keeps it) and set checkpoint.dir=gs://BUCKET/... instead")
     ckpt = cfg.checkpoint_dir
     remote = ckpt.startswith("gs://")
     if "://" in ckpt and not remote:
-        raise ValueError(f"checkpoint.dir: {ckpt!r:.100}: only gs:// URLs are supported on "
+        raise ValueError(f"checkpoint.dir: {clip(ckpt, 100)}: only gs:// URLs are supported on "
                          "Cloud TPU")
     if slice_ is not None:
         sizes = mesh_shape(cfg.mesh, slice_.chips)
         check_against_mesh(cfg, sizes)
         if slice_.multi_host and not remote:
-            raise ValueError(f"checkpoint.dir: {ckpt!r:.100} is local, but {slice_.accelerator_type} "
+            raise ValueError(f"checkpoint.dir: {clip(ckpt, 100)} is local, but {slice_.accelerator_type} "
                              f"has {slice_.hosts} hosts and every host writes its own shards; "
                              "set checkpoint.dir=gs://BUCKET/PATH (a bucket every worker can "
                              "write)")
     if survive_preemption and not remote:
-        raise ValueError(f"checkpoint.dir: {ckpt!r:.100} is local, but babysit recreates a "
+        raise ValueError(f"checkpoint.dir: {clip(ckpt, 100)} is local, but babysit recreates a "
                          "preempted TPU with empty disks, so training could never resume; set "
                          "checkpoint.dir=gs://BUCKET/PATH")
     if compiled is not None:
@@ -80,6 +81,9 @@ def check_compiled(path: str, cfg, slice_: Slice | None, config_path: str,
 
     topology = slice_.accelerator_type if slice_ is not None else "TYPE"
     make = compile_command(config_path, overrides, topology, path)
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise ValueError(f"--compiled: {path} is not a regular file (a FIFO, device or socket); "
+                         f"write the compiled step to a file with `{make}`")
     if not os.path.isfile(path):
         raise ValueError(f"--compiled: {path} not found; write it with `{make}`")
     try:

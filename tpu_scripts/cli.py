@@ -22,6 +22,7 @@ from tpu_scripts import babysit, commands
 from tpu_scripts.checks import check_launch
 from tpu_scripts.flags import DEFAULT_FLAGS_FILE, libtpu_init_args, read_flags
 from tpu_scripts.gcloud import Target
+from tpu_scripts.quoting import clip
 from tpu_scripts.runner import CommandFailed, Runner
 from tpu_scripts.slices import check_project, check_tpu_name, check_zone, parse_accelerator_type
 
@@ -47,7 +48,7 @@ def _positive(text: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r:.20}") from None
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {clip(text, 20)}") from None
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
     return value
@@ -164,7 +165,7 @@ def _setup_plan(args: argparse.Namespace) -> commands.SetupPlan:
 def _job(args: argparse.Namespace) -> str:
     job = args.job or os.path.splitext(os.path.basename(args.config or ""))[0]
     if not _JOB.match(job):
-        raise ValueError(f"--job: {job!r:.60} is not a job name; use letters, digits, '.', "
+        raise ValueError(f"--job: {clip(job, 60)} is not a job name; use letters, digits, '.', "
                          "'_' and '-'")
     return job
 
@@ -177,17 +178,17 @@ def _launch_plan(args: argparse.Namespace) -> commands.LaunchPlan:
     for item in args.env:
         m = _ENV.match(item)
         if not m:
-            raise ValueError(f"--env: {item!r:.60} is not NAME=VALUE")
+            raise ValueError(f"--env: {clip(item, 60)} is not NAME=VALUE")
         if m.group(1) == "LIBTPU_INIT_ARGS":
             raise ValueError("--env LIBTPU_INIT_ARGS: put libtpu flags in a flags file "
                              "(--flags-file) instead")
         env[m.group(1)] = m.group(2)
     for item in args.overrides:
         if "=" not in item:
-            raise ValueError(f"--set: {item!r:.60} is not KEY=VALUE (e.g. train.lr=3e-4)")
+            raise ValueError(f"--set: {clip(item, 60)} is not KEY=VALUE (e.g. train.lr=3e-4)")
     if args.compiled is not None and (os.path.basename(args.compiled)
                                       == os.path.basename(args.config)):
-        raise ValueError(f"--compiled: {args.compiled!r:.100} has the config's file name and "
+        raise ValueError(f"--compiled: {clip(args.compiled, 100)} has the config's file name and "
                          "both go to the job directory; rename one of them")
     return commands.LaunchPlan(args.config, _job(args), tuple(args.overrides),
                                tuple(env.items()), args.compiled)
@@ -209,7 +210,7 @@ def dispatch(args: argparse.Namespace, r: Runner) -> int:
         commands.status(r, t, _job(args) if args.job else None)
     elif c == "logs":
         if not _WORKER.match(args.worker):
-            raise ValueError(f"--worker: {args.worker!r:.20} is not all, N, N,M or N-M")
+            raise ValueError(f"--worker: {clip(args.worker, 20)} is not all, N, N,M or N-M")
         commands.logs(r, t, _job(args), worker=args.worker, lines=args.lines,
                       metrics=args.metrics, follow=args.follow, output_dir=args.output_dir)
     elif c == "stop":

@@ -13,6 +13,7 @@ import tempfile
 
 from tpu_scripts import gcloud, remote, source
 from tpu_scripts.gcloud import Target
+from tpu_scripts.quoting import clip
 from tpu_scripts.runner import Runner
 from tpu_scripts.slices import Slice
 
@@ -64,14 +65,14 @@ def check_create(t: Target, plan: CreatePlan) -> None:
 
 def check_python(version: str) -> str:
     if not re.fullmatch(r"3\.1[1-9]", version):
-        raise ValueError(f"--python: {version!r:.30} is not a supported Python (3.11 or newer, "
+        raise ValueError(f"--python: {clip(version, 30)} is not a supported Python (3.11 or newer, "
                          "written like 3.12)")
     return version
 
 
 def check_gcs_prefix(prefix: str, where: str) -> str:
     if not re.fullmatch(r"gs://[a-z0-9][-_.a-z0-9]{1,221}[a-z0-9](/[^\s*?\[\]]+)+", prefix):
-        raise ValueError(f"{where}: {prefix!r:.100} is not a gs://BUCKET/PATH prefix")
+        raise ValueError(f"{where}: {clip(prefix, 100)} is not a gs://BUCKET/PATH prefix")
     return prefix
 
 
@@ -82,8 +83,8 @@ def check_local_path(path: str, where: str) -> str:
     if not path:
         raise ValueError(f"{where}: the path is empty; give a file or directory name")
     if path.startswith("-"):
-        raise ValueError(f"{where}: {path!r:.100} starts with '-', which would be read as an "
-                         f"option; write it as {'./' + path!r:.100}")
+        raise ValueError(f"{where}: {clip(path, 100)} starts with '-', which would be read as an "
+                         f"option; write it as {clip('./' + path, 100)}")
     return path
 
 
@@ -94,7 +95,7 @@ def check_remote_name(path: str, where: str) -> str:
     check_local_path(path, where)
     name = os.path.basename(path)
     if not _REMOTE_NAME.fullmatch(name) or name in (".", ".."):
-        raise ValueError(f"{where}: {path!r:.100}: its file name {name!r:.60} becomes a file "
+        raise ValueError(f"{where}: {clip(path, 100)}: its file name {clip(name, 60)} becomes a file "
                          "name on the workers; copy or rename it to letters, digits, '.', '_' "
                          "and '-' only")
     return path
@@ -161,7 +162,7 @@ def logs(r: Runner, t: Target, job: str, *, worker: str, lines: int, metrics: bo
         check_local_path(output_dir, "--output-dir")
     if follow:
         if not worker.isdigit():
-            raise ValueError(f"--follow: follows one worker; give --worker N, not {worker!r:.20}")
+            raise ValueError(f"--follow: follows one worker; give --worker N, not {clip(worker, 20)}")
         r.run(gcloud.ssh(t, remote.follow_command(job), worker=worker), check=False)
         return
     if output_dir is not None:

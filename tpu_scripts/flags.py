@@ -14,6 +14,10 @@ _FLAG = re.compile(r"^--([a-z0-9_]+)=([A-Za-z0-9_.:+-]+)$")
 
 def read_flags(path: str = DEFAULT_FLAGS_FILE) -> list[str]:
     """The active flags of `path`, in file order."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        # opening a FIFO would block until a writer comes
+        raise ValueError(f"--flags-file: {path} is not a regular file (a FIFO, device or "
+                         "socket); give a text file of --name=value lines")
     try:
         with open(path, encoding="utf-8") as f:
             lines = f.read().splitlines()

@@ -19,6 +19,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from tpu_scripts.quoting import clip
+
 # generation prefix -> (the size counts TensorCores, default runtime version)
 _GENERATIONS = {
     "v4": (True, "tpu-ubuntu2204-base"),
@@ -55,7 +57,7 @@ def parse_accelerator_type(text: str) -> Slice:
     where = "--accelerator-type"
     m = re.fullmatch(r"([a-z0-9]+)-([0-9]+)", text or "")
     if not m:
-        raise ValueError(f"{where}: {text!r:.60} is not an accelerator type; expected "
+        raise ValueError(f"{where}: {clip(text, 60)} is not an accelerator type; expected "
                          "GENERATION-SIZE such as v4-32, v5p-128, v5litepod-16 or v6e-8")
     gen, size = m.group(1), int(m.group(2))
     if gen not in _GENERATIONS:
@@ -83,7 +85,7 @@ def parse_accelerator_type(text: str) -> Slice:
 def check_tpu_name(name: str) -> str:
     """A TPU / queued-resource name gcloud accepts (lower case, digits, '-', <= 63)."""
     if not _NAME.match(name or ""):
-        raise ValueError(f"TPU name {name!r:.70}: use 1-63 lower-case letters, digits and '-', "
+        raise ValueError(f"TPU name {clip(name, 70)}: use 1-63 lower-case letters, digits and '-', "
                          "starting with a letter and not ending with '-' (e.g. lwm-v4-32)")
     return name
 
@@ -93,7 +95,7 @@ def check_zone(zone: str | None) -> str:
         raise ValueError("--zone: not given and CLOUDSDK_COMPUTE_ZONE is not set; pass the "
                          "TPU's zone, e.g. --zone us-central2-b")
     if not _ZONE.match(zone):
-        raise ValueError(f"--zone: {zone!r:.60} is not a zone name; expected REGION-ZONE such "
+        raise ValueError(f"--zone: {clip(zone, 60)} is not a zone name; expected REGION-ZONE such "
                          "as us-central2-b or europe-west4-a")
     return zone
 
@@ -103,6 +105,6 @@ def check_project(project: str | None) -> str:
         raise ValueError("--project: not given and CLOUDSDK_CORE_PROJECT is not set; pass "
                          "your Google Cloud project id, e.g. --project my-project")
     if not _PROJECT.match(project):
-        raise ValueError(f"--project: {project!r:.60} is not a project id (6-30 lower-case "
+        raise ValueError(f"--project: {clip(project, 60)} is not a project id (6-30 lower-case "
                          "letters, digits and '-', starting with a letter)")
     return project

@@ -10,6 +10,8 @@ import os
 import subprocess
 import tomllib
 
+from tpu_scripts.quoting import clip
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYPROJECT = os.path.join(REPO, "pyproject.toml")
 TPU_EXTRA = "tpu"
@@ -40,7 +42,7 @@ def resolve_commit(ref: str, repo: str = REPO) -> str:
     except FileNotFoundError:
         raise ValueError("git: not found; setup ships a `git archive` of the checkout") from None
     if done.returncode != 0 or not done.stdout.strip():
-        raise ValueError(f"--ref: {ref!r:.60} is not a commit of {repo}; give a branch, tag or "
+        raise ValueError(f"--ref: {clip(ref, 60)} is not a commit of {repo}; give a branch, tag or "
                          "commit id (default HEAD)")
     return done.stdout.strip()
 

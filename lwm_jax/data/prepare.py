@@ -80,6 +80,9 @@ def expand_inputs(inputs: Sequence[str | os.PathLike]) -> list[Path]:
             if p.suffix not in SUFFIXES:
                 raise ValueError(f"--input {p}: unsupported suffix {p.suffix!r}; use {' or '.join(SUFFIXES)}")
             files.append(p)
+        elif p.exists():
+            raise ValueError(f"--input {p}: not a regular file (a FIFO, device or socket); give "
+                             f"a {'/'.join(SUFFIXES)} file or a directory of them")
         else:
             raise FileNotFoundError(f"--input {p}: no such file or directory")
     if not files:
@@ -124,7 +127,19 @@ def iter_documents(path: Path, text_key: str = "text") -> Iterator[tuple[str | N
             text = obj[text_key]
             if not isinstance(text, str):
                 raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, expected a string")
+            check_encodable(text, where, text_key)
             yield text, len(raw)
+
+
+def check_encodable(text: str, where: str, text_key: str) -> None:
+    """Refuse (one line naming `where`, e.g. file:line) a JSON text holding a lone surrogate
+    (an escaped `"\\ud800"` with no pair): it is no Unicode text and cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: field {text_key!r} holds a lone surrogate "
+                         f"({text[e.start]!a} at character {e.start}), which is not valid "
+                         "Unicode text; fix or drop that line") from None
 
 
 def auto_workers(total_bytes: int, tokenizer: Tokenizer | None = None) -> int:
@@ -320,6 +335,9 @@ def run_prepare(args: argparse.Namespace) -> int:
     workers = getattr(args, "workers", None)
     if workers is not None and workers < 1:
         raise ValueError(f"--workers must be >= 1, got {workers} (1 = no worker processes)")
+    if getattr(args, "eod_token", None) is not None and not str(args.tokenizer).startswith("hf:"):
+        raise ValueError("--eod-token: applies to hf: tokenizers only (byte and world have a "
+                         "fixed EOD id 0); drop it")
     tok = get_tokenizer(args.tokenizer, eod_token=args.eod_token)
     if workers is None:
         workers = auto_workers(sum(f.stat().st_size for f in expand_inputs(args.input)), tok)

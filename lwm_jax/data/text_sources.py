@@ -88,6 +88,9 @@ def text_files(spec: str, key: str = "data.path") -> list[Path]:
         if not found:
             raise ValueError(f"{key}: directory {spec} holds no {', '.join(TEXT_SUFFIXES)} files")
         return found
+    if p.exists() and not p.is_file():
+        raise ValueError(f"{key}: {spec} is not a regular file (a FIFO, device or socket); give "
+                         f"a directory or a {', '.join(TEXT_SUFFIXES)} file")
     if not p.is_file():
         raise ValueError(f"{key}: {spec} not found; give a directory or a "
                          f"{', '.join(TEXT_SUFFIXES)} file")
@@ -175,6 +178,12 @@ def _file_documents(path: Path, text_key: str, offset: int) -> Iterator[tuple[st
                 raise ValueError(f"{where}: invalid JSON line ({e})") from None
             if not isinstance(obj, dict) or not isinstance(obj.get(text_key), str):
                 raise ValueError(f"{where}: no string field {text_key!r} (set data.text_key)")
+            try:
+                obj[text_key].encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise ValueError(f"{where}: field {text_key!r} holds a lone surrogate (at "
+                                 f"character {e.start}), which is not valid Unicode text; fix "
+                                 "or drop that line") from None
             if obj[text_key]:
                 yield obj[text_key], offset
 
@@ -201,7 +210,8 @@ def parquet_rows(path: Path, text_key: str, row: int = 0,
         raise ValueError(f"{path}: no column {text_key!r} (columns: "
                          f"{', '.join(schema.names[:8])}); set {key}")
     kind = schema.field(text_key).type
-    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+    values = kind.value_type if pa.types.is_dictionary(kind) else kind   # dictionary-encoded
+    if not (pa.types.is_string(values) or pa.types.is_large_string(values)):
         raise ValueError(f"{path}: column {text_key!r} holds {kind}, not text (strings); choose "
                          f"the text column with {key}")
     first = 0

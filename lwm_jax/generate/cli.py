@@ -79,13 +79,37 @@ def _read_prompt(args: argparse.Namespace) -> str:
         raise ValueError("--prompt: no prompt given; pass --prompt TEXT or --prompt-file FILE "
                          "(only --load-state can continue without one)")
     if not args.prompt_file:
-        return args.prompt or ""
+        text = args.prompt or ""
+        _check_utf8(text, "--prompt: contains a byte that is not UTF-8 (or a lone surrogate)",
+                    "pass the prompt as UTF-8 text, or use --prompt-file")
+        return text
+    check_regular_file(args.prompt_file, "--prompt-file", must_exist=False)
     try:
         with open(args.prompt_file, encoding="utf-8") as f:
-            return f.read()
+            text = f.read()
     except UnicodeDecodeError as err:
         raise ValueError(f"--prompt-file: {quote_path(args.prompt_file)} is not UTF-8 text "
                          f"(byte {err.start}); save it as UTF-8") from None
+    return text
+
+
+def check_regular_file(path, flag: str, must_exist: bool = True) -> None:
+    """Refuse (one line naming `flag`) a `path` that exists but is not a regular file (a FIFO
+    would block the open, a device never ends); with `must_exist`, refuse a missing one too."""
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise ValueError(f"{flag}: {quote_path(path)} is not a regular file (a FIFO, device or "
+                         "socket); give a regular file")
+    if must_exist and not os.path.isfile(path):
+        raise ValueError(f"{flag}: {quote_path(path)}: no such file")
+
+
+def _check_utf8(text: str, what: str, fix: str) -> None:
+    """Refuse text holding a lone surrogate: undecodable argv bytes (Python's surrogateescape)
+    or an escaped one, which cannot be encoded (and so cannot be tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"{what} at character {err.start}; {fix}") from None
 
 
 def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
@@ -110,8 +134,8 @@ def generate_main(args: argparse.Namespace, out=None, err=None) -> list[int]:
         raise ValueError(f"--seed: must be an integer in [0, 2**63), got {args.seed}")
     if args.save_state:
         check_state_target(args.save_state, "--save-state")
-    if args.load_state and not os.path.isfile(args.load_state):
-        raise ValueError(f"--load-state: {quote_path(args.load_state)}: no such file")
+    if args.load_state:
+        check_regular_file(args.load_state, "--load-state")
     text = _read_prompt(args)
     model, cfg, tok = load_model_and_tokenizer(args)
     arch = arch_of_model(model).name

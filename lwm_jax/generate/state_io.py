@@ -15,6 +15,7 @@ are one-line ValueErrors naming the file.
 from __future__ import annotations
 
 import os
+import re
 from typing import NamedTuple, Sequence
 
 import jax
@@ -119,6 +120,9 @@ def load_state_file(path: str | os.PathLike, cfg: ModelConfig) -> SavedState:
     """
     from safetensors import safe_open
     where = f"state file {quote_path(path)}"
+    if os.path.exists(path) and not os.path.isfile(path) and not os.path.isdir(path):
+        raise ValueError(f"{where}: not a regular file (a FIFO, device or socket); give the file "
+                         "--save-state wrote")
     if not os.path.isfile(path):
         raise ValueError(f"{where}: no such file")
     wanted = FIELDS + (LOGITS,)
@@ -137,7 +141,7 @@ def load_state_file(path: str | os.PathLike, cfg: ModelConfig) -> SavedState:
                          f"{FORMAT_V1!r}; write it with lwm_jax.generate.save_state)")
     for key, want in (("n_layer", cfg.n_layer), ("n_embd", cfg.n_embd), ("head_size", cfg.head_size)):
         got = meta.get(key, "")
-        if not got.isdigit():
+        if not re.fullmatch("[0-9]{1,18}", got):
             raise ValueError(f"{where}: metadata {key}={short(got)} is not a number; the file is "
                              "damaged, save the state again")
         if int(got) != want:
@@ -172,7 +176,7 @@ def _counts(text: str, rows: int) -> list[int]:
     """`n_tokens` metadata as integers, one per row; [] when absent or malformed (it is only
     informational, so a bad value is dropped rather than refused)."""
     parts = text.split(",") if text else []
-    if len(parts) != rows or not all(p.isdigit() and len(p) <= 18 for p in parts):
+    if len(parts) != rows or not all(re.fullmatch("[0-9]{1,18}", p) for p in parts):
         return []
     return [int(p) for p in parts]
 
