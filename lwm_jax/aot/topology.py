@@ -75,6 +75,19 @@ def _grid(chips: int, rank: int) -> tuple[int, ...] | None:
     return tuple(dims) if math.prod(dims) == chips else None
 
 
+# The most chips a topology may name (above the largest real slice of any generation: v5p's
+# 8960, v4's 4096) and the most slices `--num-slices` takes; libtpu fails or aborts beyond.
+MAX_CHIPS = 16384
+MAX_SLICES = 1024
+
+
+def _bounded(topo: "Topology") -> "Topology":
+    if topo.chips > MAX_CHIPS:
+        raise ValueError(f"--topology: {topo.name!r:.60} has {topo.chips} chips, more than any "
+                         f"TPU slice (at most {MAX_CHIPS}); e.g. v4-32, v5p-128 or v5p:4x4x4")
+    return topo
+
+
 def parse_topology(text: str) -> Topology:
     """A `Topology` from a Cloud accelerator type or JAX's `GEN:AxB[xC]` form; ValueError (one
     line naming `--topology` and the accepted forms) for anything else."""
@@ -93,7 +106,7 @@ def parse_topology(text: str) -> Topology:
             raise ValueError(f"{where}: {text!r}: {m.group(1)} chips form a {rank}-D grid; "
                              f"write {rank} sizes such as {m.group(1)}:" +
                              "x".join(["2"] * rank))
-        return Topology(text, gen, grid)
+        return _bounded(Topology(text, gen, grid))
     m = re.fullmatch(r"([a-z0-9]+)-([0-9]+)", text)
     if not m:
         raise ValueError(f"{where}: {text!r:.60} is not a TPU topology; {forms}")
@@ -107,6 +120,9 @@ def parse_topology(text: str) -> Topology:
         raise ValueError(f"{where}: {text} is not a {gen} slice; {gen}-N counts TensorCores "
                          f"(2 per chip), so N is a multiple of 8 (e.g. {gen}-8, {gen}-128)")
     chips = size // 2 if counts_cores else size
+    if chips > MAX_CHIPS:
+        raise ValueError(f"--topology: {text:.60} has {chips} chips, more than any TPU slice "
+                         f"(at most {MAX_CHIPS}); e.g. {gen}-{8 if counts_cores else 4}")
     grid = _grid(chips, rank) if chips > 0 else None
     if grid is None:
         raise ValueError(f"{where}: {text}: {chips} chips is not a standard {gen} slice shape; "
@@ -148,6 +164,9 @@ def topology_devices(topology: Topology | str, num_slices: int = 1) -> list:
     topo = parse_topology(topology) if isinstance(topology, str) else topology
     if not isinstance(num_slices, int) or isinstance(num_slices, bool) or num_slices < 1:
         raise ValueError(f"--num-slices: must be an integer >= 1, got {num_slices!r}")
+    if num_slices > MAX_SLICES:
+        raise ValueError(f"--num-slices: {num_slices} is more than {MAX_SLICES} slices; give "
+                         "the number of slices of the real deployment")
     import importlib.util
     if importlib.util.find_spec("libtpu") is None:
         raise ImportError("compiling for a TPU needs libtpu, which is not installed; install "
@@ -162,9 +181,15 @@ def topology_devices(topology: Topology | str, num_slices: int = 1) -> list:
     kwargs["chips_per_host_bounds"] = topo.host_bounds
     if num_slices > 1:
         kwargs["num_slices"] = num_slices
-    with _quiet_stderr():
-        desc = topologies.get_topology_desc(topology_name=topo.jax_name, platform="tpu",
-                                            **kwargs)
+    try:
+        with _quiet_stderr():
+            desc = topologies.get_topology_desc(topology_name=topo.jax_name, platform="tpu",
+                                                **kwargs)
+    except Exception as err:        # e.g. JaxRuntimeError: a grid libtpu does not describe
+        detail = " ".join(str(err).split())[:200]
+        raise ValueError(f"--topology: libtpu cannot describe {topo.name!r:.60} "
+                         f"({type(err).__name__}: {detail}); give a real slice, e.g. v4-32 "
+                         "or v5p:4x4x4") from None
     devices = list(desc.devices)
     if len(devices) != topo.chips * num_slices:
         raise RuntimeError(f"--topology {topo.name}: libtpu described {len(devices)} devices, "

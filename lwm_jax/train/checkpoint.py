@@ -43,6 +43,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import warnings
 from typing import Any
 
@@ -115,7 +116,7 @@ class Checkpointer:
         if "://" in self.directory or not os.path.isdir(self.directory):
             return []
         return sorted((int(name) for name in os.listdir(self.directory)
-                       if name.isdigit() and os.path.isdir(os.path.join(self.directory, name))),
+                       if re.fullmatch("[0-9]+", name) and os.path.isdir(os.path.join(self.directory, name))),
                       reverse=True)
 
     def _may_move(self) -> bool:

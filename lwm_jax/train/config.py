@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import types
 import typing
 from typing import Any, Sequence
@@ -359,6 +360,24 @@ def _check_values(cfg: RunConfig, data_files: bool = True) -> None:
         _fail("mesh", "at most one axis may be -1")
     if not cfg.name or "/" in cfg.name:
         _fail("name", f"must be a non-empty name without '/', got {short(cfg.name)}")
+    _check_locations(cfg)
+
+
+_URL = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def _check_locations(cfg: RunConfig) -> None:
+    """run_dir is written with local file calls: no URL. checkpoint.dir goes to orbax, which
+    writes local paths and gs:// (etils epath + gcsfs) here; any other scheme is refused."""
+    if cfg.run_dir is not None and _URL.match(cfg.run_dir):
+        _fail("run_dir", f"{_key(cfg.run_dir)!r} is a URL, but lwm-jax train writes the run "
+                         "dir with local file calls; keep run_dir local and set "
+                         "checkpoint.dir=gs://...")
+    ckpt = cfg.checkpoint.dir
+    if ckpt is not None and _URL.match(ckpt) and not ckpt.startswith("gs://"):
+        _fail("checkpoint.dir", f"{_key(ckpt)!r}: only gs:// URLs are supported (unsupported "
+                                f"URL scheme {ckpt.split('://')[0][:20]!r}); use a local path "
+                                "or gs://BUCKET/PATH")
 
 
 def _check_data_sources(d: DataSection, files: bool = True) -> None:

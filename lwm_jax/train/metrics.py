@@ -20,6 +20,8 @@ Record formats (metrics.jsonl: one strict-JSON object per line; non-finite numbe
 from __future__ import annotations
 
 import json
+import math
+import os
 import sys
 import time
 import warnings
@@ -162,6 +164,23 @@ class MetricsLogger:
             tracker.close()
 
 
+def _loss_ok(value: Any) -> bool:
+    """A plottable loss field: a finite number, or null (a non-finite loss is written as
+    null: a gap in the curve)."""
+    if value is None:
+        return True
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:       # an integer beyond float range
+        return False
+
+
+def _nan(value: Any) -> float:
+    return float("nan") if value is None else float(value)
+
+
 def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     """(train records, eval records) from a metrics.jsonl (later records win on resumed runs;
     config records are skipped; a line that is not a JSON record with an integer `step` is
@@ -169,19 +188,26 @@ def read_metrics(path: str) -> tuple[list[dict], list[dict]]:
     train: dict[int, dict] = {}
     evals: dict[int, dict] = {}
     damaged = 0
-    with open(path, encoding="utf-8", errors="replace") as f:
+    from lwm_jax.train.run_lock import open_no_follow
+    fd = open_no_follow(path, os.O_RDONLY)      # refuses a FIFO (would block) in one line
+    with os.fdopen(fd, encoding="utf-8", errors="replace") as f:
         for line in f:
             if not line.strip():
                 continue
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:
+            except (ValueError, RecursionError):     # not JSON; nested too deep
                 rec = None
             if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
                 damaged += 1          # a torn line left by a killed writer: skip, say so
                 continue
-            if "config" not in rec:
-                (evals if "val_loss" in rec else train)[rec["step"]] = rec
+            if "config" in rec:
+                continue
+            kind, key = ("eval", "val_loss") if "val_loss" in rec else ("train", "loss")
+            if key not in rec or not _loss_ok(rec[key]) or not _loss_ok(rec.get("loss_mean")):
+                damaged += 1          # e.g. {"step": 1}: no loss to plot
+                continue
+            (evals if kind == "eval" else train)[rec["step"]] = rec
     if damaged:
         warnings.warn(f"{path}: {damaged} damaged line(s) skipped (a run killed while writing "
                       "leaves a torn line); the other records are read", RuntimeWarning,
@@ -198,19 +224,20 @@ def plot_loss_curve(metrics_path: str, png_path: str, title: str = "") -> str:
     train, evals = read_metrics(metrics_path)
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=100)
     if train:
-        ax.plot([r["step"] for r in train], [r["loss"] for r in train], alpha=0.5,
+        ax.plot([r["step"] for r in train], [_nan(r["loss"]) for r in train], alpha=0.5,
                 label="train loss (logged step)")
         means = [(r["step"], r["loss_mean"]) for r in train if r.get("loss_mean") is not None]
         if means:
             ax.plot(*zip(*means), label="train loss (mean since previous record)")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-",
+        ax.plot([r["step"] for r in evals], [_nan(r["val_loss"]) for r in evals], "o-",
                 label="validation loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title(title)
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[0]:     # no records: no legend (and no warning)
+        ax.legend()
     fig.tight_layout()
     fig.savefig(png_path)
     plt.close(fig)

@@ -18,6 +18,7 @@ import errno
 import fcntl
 import os
 import socket
+import stat
 
 
 # Files and folders a run writes in its run dir (`trainer`, `metrics`, `trackers`, `profiling`).
@@ -25,25 +26,65 @@ RUN_DIR_ENTRIES = (".lock", "config.yaml", "metrics.jsonl", "loss_curve.png", "t
                    "profile", "wandb_run_id")
 
 
+# Entries of RUN_DIR_ENTRIES that are plain files (the others are folders).
+RUN_DIR_FILES = (".lock", "config.yaml", "metrics.jsonl", "loss_curve.png", "wandb_run_id")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a FIFO"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISSOCK, "a socket"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device")):
+        if test(mode):
+            return name
+    return "not a plain file"
+
+
+def _not_regular(key: str, path: str, mode: int) -> ValueError:
+    return ValueError(f"{key}: {path!r} is not a regular file ({_kind(mode)}); remove it")
+
+
 def refuse_links(directory: str, names=RUN_DIR_ENTRIES, key: str = "run_dir") -> None:
-    """One-line ValueError when any of `names` in `directory` is a symbolic link."""
+    """One-line ValueError when any of `names` in `directory` is a symbolic link, or one of the
+    run's files (`RUN_DIR_FILES`) exists and is not a regular file (a FIFO would block the
+    run when it writes or reads it)."""
     for name in names:
         path = os.path.join(directory, name)
         if os.path.islink(path):
             raise ValueError(f"{key}: {path} is a symbolic link (to {os.readlink(path)!r}); "
                              "a run writes only files it creates: remove the link")
+        if name in RUN_DIR_FILES:
+            try:
+                mode = os.lstat(path).st_mode
+            except OSError:
+                continue
+            if not stat.S_ISREG(mode):
+                raise _not_regular(key, path, mode)
 
 
 def open_no_follow(path: str, flags: int, key: str = "run_dir", mode: int = 0o644) -> int:
-    """`os.open(path, flags | O_NOFOLLOW)`; a symbolic link at `path` is a one-line
-    ValueError naming `key`."""
+    """`os.open(path, flags | O_NOFOLLOW)`; a symbolic link at `path`, or anything there but a
+    regular file (a FIFO would block), is a one-line ValueError naming `key`."""
     try:
-        return os.open(path, flags | os.O_NOFOLLOW, mode)
+        # O_NONBLOCK: opening a FIFO must not wait for its other end; refused below
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_NONBLOCK, mode)
     except OSError as err:
         if err.errno == errno.ELOOP:
             raise ValueError(f"{key}: {path} is a symbolic link; a run writes only files it "
                              "creates: remove the link") from None
+        if err.errno in (errno.ENXIO, errno.EISDIR):   # a FIFO without a reader, a folder
+            try:
+                st_mode = os.lstat(path).st_mode
+            except OSError:
+                raise err from None
+            raise _not_regular(key, path, st_mode) from None
         raise
+    st_mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(st_mode):
+        os.close(fd)
+        raise _not_regular(key, path, st_mode)
+    if not flags & os.O_NONBLOCK:
+        os.set_blocking(fd, True)
+    return fd
 
 
 class RunDirLock:

@@ -13,8 +13,8 @@ shapes changes it) and of the payload.
 Loading (`load_compiled`) checks everything it can before touching the payload and refuses a
 mismatch in one line naming what differs: the config, the devices, a version, the lowered
 program. The payload holds machine code that will run on your chips, so load only files you
-made; it is unpickled with an allow-list of JAX, NumPy and builtin container classes, never an
-arbitrary class.
+made; it is unpickled with an exact allow-list of the (module, name) globals such files hold
+(`_ALLOWED_GLOBALS`), never an arbitrary class or function.
 """
 from __future__ import annotations
 
@@ -25,14 +25,36 @@ import io
 import json
 import os
 import pickle
+import stat
 from typing import Any
 
 import jax
 
 MAGIC = b"LWM-JAX-COMPILED-STEP 1\n"
-_ALLOWED_PACKAGES = ("jax", "jaxlib", "numpy", "ml_dtypes", "collections")
-_ALLOWED_BUILTINS = {"tuple", "list", "dict", "set", "frozenset", "slice", "complex", "bytes",
-                     "bytearray", "object", "int", "float", "bool", "str", "range", "getattr"}
+# Exactly the globals that `serialize_executable.serialize` writes into our saved steps (traced
+# from real `lwm-jax compile --save` files: CPU, and TPU single- and multi-slice). A global
+# outside this set (e.g. an `exec` helper reachable under numpy) is refused, never imported.
+_ALLOWED_GLOBALS = frozenset({
+    ("jax", "P"),
+    ("jax._src.core", "ManualAxisType"),
+    ("jax._src.core", "MemorySpace"),
+    ("jax._src.core", "ShapedArray"),
+    ("jax._src.interpreters.pxla", "AllArgsInfo"),
+    ("jax._src.interpreters.pxla", "UnloadedMeshExecutable"),
+    ("jax._src.layout", "Layout"),
+    ("jax._src.linear_util", "DebugInfo"),
+    ("jax._src.mesh", "AbstractDevice"),
+    ("jax._src.mesh", "AbstractMesh"),
+    ("jax._src.mesh", "AxisType"),
+    ("jax._src.mesh", "Mesh"),
+    ("jax._src.named_sharding", "_unpickle_named_sharding"),
+    ("jax._src.stages", "ArgInfo"),
+    ("jaxlib._jax", "DeviceList"),
+    ("numpy", "dtype"),
+    ("numpy", "ndarray"),
+    ("numpy._core.multiarray", "_reconstruct"),
+    ("numpy.core.multiarray", "_reconstruct"),     # the same function under NumPy 1.x
+})
 
 
 def step_config(cfg) -> str:
@@ -108,10 +130,20 @@ def save_compiled(path: str, compiled, lowered, cfg, devices: list, topology: st
 def read_header(path: str) -> tuple[Header, bytes]:
     """`(header, payload)` of a saved step; ValueError (one line) for a file that is not one."""
     try:
-        with open(path, "rb") as f:
-            data = f.read()
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is then refused below
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise ValueError(f"--compiled: cannot read {path} ({err.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ValueError(f"--compiled: {path!r} is not a regular file; give the file "
+                         "written by `lwm-jax compile --save`")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            os.set_blocking(fd, True)
+            data = f.read()
+        except OSError as err:
+            raise ValueError(f"--compiled: cannot read {path} ({err.strerror})") from None
     bad = (f"--compiled: {path} is not a compiled step written by `lwm-jax compile --save`; "
            "write one with that command")
     if not data.startswith(MAGIC):
@@ -183,19 +215,24 @@ def _flat(config_yaml: str) -> dict[str, Any]:
 
 
 class _Unpickler:
-    """JAX's executable unpickler with `find_class` limited to an allow-list."""
+    """JAX's executable unpickler with `find_class` limited to `_ALLOWED_GLOBALS`."""
 
-    def __new__(cls, file, backend, devices):
+    def __new__(cls, file, backend, devices, path: str = "?"):
         from jax.experimental import serialize_executable
 
         class Restricted(serialize_executable._JaxPjrtUnpickler):
             def find_class(self, module, name):
-                allowed = (module.split(".")[0] in _ALLOWED_PACKAGES
-                           or (module == "builtins" and name in _ALLOWED_BUILTINS))
-                if not allowed:
-                    raise pickle.UnpicklingError(f"class {module}.{name} is not allowed")
+                if (module, name) not in _ALLOWED_GLOBALS:
+                    raise RefusedGlobal(
+                        f"--compiled: {path} asks to load {module:.80}.{name:.80}, which a "
+                        "compiled step written by `lwm-jax compile --save` never holds; refused "
+                        "(load only files you made)")
                 return super().find_class(module, name)
         return Restricted(file, backend, devices)
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A saved step's payload names a global outside `_ALLOWED_GLOBALS`."""
 
 
 def load_compiled(path: str, lowered, cfg, devices: list):
@@ -210,8 +247,10 @@ def load_compiled(path: str, lowered, cfg, devices: list):
     backend = devices[0].client
     try:
         unloaded, args_info_flat, no_kwargs = _Unpickler(io.BytesIO(payload), backend,
-                                                         devices).load()
+                                                         devices, path).load()
         loaded = unloaded.load()
+    except RefusedGlobal as err:
+        raise ValueError(str(err)) from None
     except Exception as err:
         raise ValueError(f"--compiled: {path} could not be loaded on these devices "
                          f"({type(err).__name__}: {str(err)[:200]}); compile it again") from None
