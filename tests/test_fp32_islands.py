@@ -23,7 +23,7 @@ from flax import nnx
 
 from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
-from lwm_jax.models.probe import Probe
+from lwm_jax.probe import Probe
 from lwm_jax.models.rwkv7.time_mix import DECAY_SCALE, decay_log, normalize_heads, time_mix_forward
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.testing import param_dict, randomize_params

@@ -27,7 +27,7 @@ from safetensors.numpy import load_file
 
 from lwm_jax.runtime import Runtime
 from lwm_jax import PRESETS, ModelConfig
-from lwm_jax.models.probe import Probe
+from lwm_jax.probe import Probe
 from lwm_jax.interop.api import export
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.models.rwkv7.testing import param_dict, randomize_params

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lwm_jax.models.probe import Probe
+from lwm_jax.probe import Probe
 
 # What each tap measures, for the one-line message.
 _TAP_MEANING = {

@@ -75,7 +75,7 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
         default devices'; read by "auto" only).
       one_device: False on a device mesh: "auto" keeps XLA's form there and "pallas" is an
         error (the kernels have no sharding rule).
-      probe: optional `probe(name, x)` tap (`lwm_jax.models.probe`) on XLA's form: the hidden
+      probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.

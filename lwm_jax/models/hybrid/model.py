@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.models.probe import scoped
+from lwm_jax.probe import scoped
 from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.norms import LayerNorm

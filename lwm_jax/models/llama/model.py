@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from lwm_jax.models.probe import scoped
+from lwm_jax.probe import scoped
 from lwm_jax.layers.attention import KVCache, empty_cache
 from lwm_jax.layers.embedding import embedding_lookup
 from lwm_jax.layers.layout import pin_activation

@@ -14,7 +14,7 @@ from flax import nnx
 
 from lwm_jax.hardware import platform_of
 from lwm_jax.layers.norms import LayerNorm
-from lwm_jax.models.probe import scoped
+from lwm_jax.probe import scoped
 from lwm_jax.models.rwkv7.channel_mix import ChannelMix, channel_mix_forward
 from lwm_jax.models.rwkv7.time_mix import TimeMix, time_mix_forward
 from lwm_jax.ops.layer_norm import layer_norm

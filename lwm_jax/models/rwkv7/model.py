@@ -54,7 +54,7 @@ from lwm_jax.hardware import platform_of
 from lwm_jax.models.inputs import checked_inputs
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.models.stacked import unstack
-from lwm_jax.models.probe import scoped
+from lwm_jax.probe import scoped
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.models.rwkv7.block import Block, LayerState, block_forward
 from lwm_jax.layers.embedding import embedding_lookup
@@ -159,7 +159,7 @@ class RWKV7(nnx.Module):
           return_state: also return the state after the last token.
           segment_ids: optional int `[B, T]` packed-document ids: the recurrent state (WKV and
             token shift) restarts from zero where the id changes (not at position 0).
-          probe: optional `probe(name, x)` tap (`lwm_jax.models.probe`) called in execution
+          probe: optional `probe(name, x)` tap (`lwm_jax.probe`) called in execution
             order: `emb`, `ln0`, `layer{l}/...` for each block, `logits`. Needs a model built
             with `remat=False` and `scan_layers=False` (ValueError otherwise).
         Returns:

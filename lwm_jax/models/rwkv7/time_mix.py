@@ -161,7 +161,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       first: True for layer 0 (defines `v_first = v`; no value residual), False for the others,
         or a traced bool scalar (a layer scan's body): both forms computed, one selected.
       segment_ids_BT: optional int `[B, T]` packed-document ids (token shift and state reset).
-      probe: optional `probe(name, x)` tap (`lwm_jax.models.probe`); sees r, k, v, the
+      probe: optional `probe(name, x)` tap (`lwm_jax.probe`); sees r, k, v, the
         log-decay w, a, g, the WKV inputs a_in/b_in, its output and state, ln_x and the output.
       wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7.wkv7` is (None: `wkv7`); e.g. the
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).

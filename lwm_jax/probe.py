@@ -11,7 +11,7 @@ the forward computes exactly the same thing with or without one.
 `jax.checkpoint` (remat) or `lax.scan` bodies (a tracer would leak); callers build the model
 with `remat=False, scan_layers=False` for a probed run (`lwm_jax.diagnostics.nonfinite` does).
 
-A leaf beside the models (imports nothing of the package): the models take a probe without
+A leaf (imports nothing of the package): the models and ops take a probe without
 importing `lwm_jax.diagnostics`, which builds its tools on this module.
 """
 from __future__ import annotations
