@@ -296,3 +296,14 @@ def ignore_closed_event_loop_noise() -> None:
 
     hook._lwm_ignores_closed_loop = True
     sys.unraisablehook = hook
+
+
+def check_encodable(text: str, where: str, field: str = "text") -> None:
+    """Refuse (one line naming `where`, e.g. file:line) a JSON text holding a lone surrogate
+    (an escaped `"\\ud800"` with no pair): it is no Unicode text and cannot be tokenized."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: field {field!r} holds a lone surrogate "
+                         f"({text[e.start]!a} at character {e.start}), which is not valid "
+                         "Unicode text; fix or drop that line") from None

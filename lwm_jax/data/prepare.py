@@ -42,7 +42,7 @@ import numpy as np
 from lwm_jax.cli_args import add_prepare_args  # re-exported (API)
 from lwm_jax.data.binidx import BinIdxWriter, token_dtype_for_vocab
 from lwm_jax.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
-from lwm_jax.user_input import check_output_file, quote_path, write_text
+from lwm_jax.user_input import check_encodable, check_output_file, quote_path, write_text
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")     # what `train` reads from a directory too
 DEFAULT_TOKENIZER = "byte"
@@ -129,17 +129,6 @@ def iter_documents(path: Path, text_key: str = "text") -> Iterator[tuple[str | N
                 raise ValueError(f"{where}: field {text_key!r} is {type(text).__name__}, expected a string")
             check_encodable(text, where, text_key)
             yield text, len(raw)
-
-
-def check_encodable(text: str, where: str, text_key: str) -> None:
-    """Refuse (one line naming `where`, e.g. file:line) a JSON text holding a lone surrogate
-    (an escaped `"\\ud800"` with no pair): it is no Unicode text and cannot be tokenized."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{where}: field {text_key!r} holds a lone surrogate "
-                         f"({text[e.start]!a} at character {e.start}), which is not valid "
-                         "Unicode text; fix or drop that line") from None
 
 
 def auto_workers(total_bytes: int, tokenizer: Tokenizer | None = None) -> int:

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from lwm_jax.user_input import check_encodable
+
 if TYPE_CHECKING:           # imported when scoring: reading examples stays light (no jax)
     from lwm_jax.eval.batched import PairScorer
 
@@ -94,12 +96,7 @@ def read_jsonl(path: str | os.PathLike, max_examples: int | None = None) -> list
                 raise ValueError(f"{os.fspath(path)}:{lineno}: expected an object with a "
                                  "string 'text' field")
             text = obj["text"]
-            try:
-                text.encode("utf-8")
-            except UnicodeEncodeError as err:
-                raise ValueError(f"{name}:{lineno}: 'text' holds a lone surrogate "
-                                 f"({text[err.start]!r} at character {err.start}), which is not "
-                                 "Unicode text; fix the line") from None
+            check_encodable(text, f"{name}:{lineno}")
             try:
                 split_last_word(text)
             except ValueError:

@@ -41,7 +41,7 @@ def test_lambada_and_data_fifo_are_refused_not_opened(tmp_path, alarm):
 def test_lambada_lone_surrogate_and_no_last_word_name_file_line(tmp_path):
     path = tmp_path / "l.jsonl"
     path.write_text('{"text": "a b"}\n{"text": "x \\ud800 y"}\n')
-    with pytest.raises(ValueError, match=r"l.jsonl:2: 'text' holds a lone surrogate"):
+    with pytest.raises(ValueError, match=r"l.jsonl:2: field 'text' holds a lone surrogate"):
         read_jsonl(path)
     path.write_text('{"text": "a b"}\n\n{"text": "single"}\n')
     with pytest.raises(ValueError, match=r"l.jsonl:3: 'text' has no 'context last-word' split"):
