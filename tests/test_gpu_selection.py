@@ -4,11 +4,21 @@ and every file with a test marked `gpu` is selected by it."""
 from __future__ import annotations
 
 import ast
+import importlib.util
 from pathlib import Path
 
-from conftest import GPU_PATH_FILES
-
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _root_conftest():
+    """tests/conftest.py by its path (a bare `import conftest` may find a folder's conftest)."""
+    spec = importlib.util.spec_from_file_location("_root_conftest", ROOT / "tests" / "conftest.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GPU_PATH_FILES = _root_conftest().GPU_PATH_FILES
 
 
 def test_every_gpu_path_file_exists():

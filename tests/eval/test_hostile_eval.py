@@ -83,7 +83,7 @@ def test_unregistered_or_hf_evaluate_metric_is_task_code(tmp_path):
     evil = tmp_path / "evilmetric"
     evil.mkdir()
     root = task_yaml(tmp_path / "a", extra=f"metric_list:\n  - metric: {evil}\n")
-    with pytest.raises(ValueError, match=r"t.yaml' metric '.*evilmetric' is not one lm-eval "
+    with pytest.raises(ValueError, match=r"t.yaml' metric '.*' is not one lm-eval "
                                          r"registers.*--allow-task-code"):
         check_task_code(str(root))
     check_task_code(str(root), allow=True)
