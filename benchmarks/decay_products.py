@@ -3,7 +3,7 @@
 `w = -exp(-0.5) * sigmoid(w0 + tanh(x @ w1) @ w2)` on random operands at the 0.1B and 1.5B
 training shapes (tokens per step x C x LoRA rank; x holds bf16 values, as the token-shift mix
 hands them to the island under `bf16-mixed`, the weights float32), jitted alone; "split" is
-`lwm_jax.bf16_split` as `decay_log` runs it there (x one bf16 piece, the rest three). Prints
+`lwm_jax.precision.bf16_split` as `decay_log` runs it there (x one bf16 piece, the rest three). Prints
 one JSON line per (model, algorithm): the best of 5 timed batches of 10 calls, scaled to all
 layers of one step (forward only), and the largest relative error of `w` against the float64
 formula. An algorithm the backend does not support prints its error instead.
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lwm_jax.bf16_split import split_einsum
+from lwm_jax.precision.bf16_split import split_einsum
 
 PRESET = jax.lax.DotAlgorithmPreset
 ALGORITHMS = {"default": "default", "highest": "highest", "tf32x3": PRESET.TF32_TF32_F32_X3,

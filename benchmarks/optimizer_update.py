@@ -43,7 +43,7 @@ def main() -> None:
     import optax
 
     from train_step import case_config
-    from lwm_jax.loss_scale import all_finite
+    from lwm_jax.precision.loss_scale import all_finite
     from lwm_jax.train.optimizer import guarded_update
     from lwm_jax.train.params import count_params
     from lwm_jax.train.trainer import build_program

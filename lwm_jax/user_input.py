@@ -307,3 +307,12 @@ def check_encodable(text: str, where: str, field: str = "text") -> None:
         raise ValueError(f"{where}: field {field!r} holds a lone surrogate "
                          f"({text[e.start]!a} at character {e.start}), which is not valid "
                          "Unicode text; fix or drop that line") from None
+
+
+def check_config_path(path: str | None) -> None:
+    """Refuse (one line) a `--config` that exists but is not a regular file or directory (a
+    FIFO would block the read; `load_config` would call it "not found")."""
+    if path is not None and os.path.exists(path) and not os.path.isfile(path) \
+            and not os.path.isdir(path):
+        raise ValueError(f"--config: {quote_path(path)} is not a regular file (a FIFO, device "
+                         "or socket); give a YAML file")

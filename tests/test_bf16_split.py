@@ -1,4 +1,4 @@
-"""`lwm_jax.bf16_split`: float32 products from bf16 pieces, against float64 on fresh random
+"""`lwm_jax.precision.bf16_split`: float32 products from bf16 pieces, against float64 on fresh random
 operands (never zeros), beside what an IEEE float32 product and plain bf16 products give."""
 import numpy as np
 import pytest
@@ -6,7 +6,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from lwm_jax.bf16_split import bf16_pieces, split_einsum
+from lwm_jax.precision.bf16_split import bf16_pieces, split_einsum
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

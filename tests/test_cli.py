@@ -44,7 +44,7 @@ def test_missing_required_flag_exits_2(argv):
 
 
 def test_light_argument_module_matches_the_implementations():
-    from lwm_jax import cli_args
+    from lwm_jax.cli import args as cli_args
     from lwm_jax.interop import api
     assert cli_args.FORMATS == api.FORMATS and cli_args.EXPORT_FORMATS == api.EXPORT_FORMATS
 
@@ -56,10 +56,11 @@ def test_sigterm_before_training_starts_is_one_line_and_143():
     import sys
     code = ("import os, signal, time\n"
             "import lwm_jax.cli as cli\n"
+            "import lwm_jax.train.cli as train_cli\n"
             "def slow(args):\n"
             "    os.kill(os.getpid(), signal.SIGTERM)\n"
             "    time.sleep(30)\n"
-            "cli.train_main = slow\n"
+            "train_cli.train_main = slow\n"
             "import sys; sys.exit(cli.main(['train', '--print-config']))\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=120)

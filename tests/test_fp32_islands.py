@@ -131,7 +131,7 @@ def test_a_decay_lora_products_are_float32_accurate_under_every_policy(preset):
     # a CPU multiplies float32 exactly at any precision, so the float64 comparison above shows a
     # TF32 decay only on a GPU; here the traced forward must ask for IEEE float32 (HIGHEST) on
     # float32 operands, or (bf16 compute) for bf16 x bf16 products of the operands' bf16 pieces
-    # accumulated in float32 (`lwm_jax.bf16_split`): exact products on every backend, and the
+    # accumulated in float32 (`lwm_jax.precision.bf16_split`): exact products on every backend, and the
     # float64 comparison above checks that the pieces add up to float32 accuracy
     policy = PRESETS[preset]
     p = layer_params(policy)

@@ -1,4 +1,4 @@
-"""Precision policy parsing (`lwm_jax.precision`), dynamic loss scaling (`lwm_jax.loss_scale`)
+"""Precision policy parsing (`lwm_jax.precision`), dynamic loss scaling (`lwm_jax.precision.loss_scale`)
 and what the fp16 train step does with it (unscaled gradients, overflow skip)."""
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.loss_scale import DynamicLossScale, NoLossScale, all_finite, loss_scale_for
+from lwm_jax.precision.loss_scale import DynamicLossScale, NoLossScale, all_finite, loss_scale_for
 from lwm_jax.precision import PRESETS, Policy, parse_policy
 from lwm_jax.train.config import load_config
 from lwm_jax.train.trainer import build_program

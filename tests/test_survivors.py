@@ -181,7 +181,7 @@ def _origin(eqn, callers=frozenset()) -> str:
     tb = eqn.source_info.traceback
     assert tb is not None, f"dot_general without source info: {eqn}"
     files = [f.file_name.replace("\\", "/") for f in tb.frames]
-    if any(f.endswith("lwm_jax/precision.py") for f in files):
+    if any(f.endswith("lwm_jax/precision/policy.py") for f in files):
         if "decay_log" in callers or any(f.function_name == "decay_log" for f in tb.frames):
             return "decay island"
         return "policy"
@@ -207,7 +207,7 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
     `dot_general` of the traced forward AND backward (loss, L2Wrap, all parameter gradients)
     carries `precision=(P, P)` with P the policy's precision for the policy's matmuls, HIGHEST
     for the decay island's forward products on float32 operands (DEFAULT on the exact bf16
-    pieces of `lwm_jax.bf16_split` under a bf16 compute dtype), and its WKV precision inside
+    pieces of `lwm_jax.precision.bf16_split` under a bf16 compute dtype), and its WKV precision inside
     the WKV op; none carries `None` (= whatever `jax_default_matmul_precision` says). On CPU
     every precision computes the same numbers, so only the jaxpr can show this."""
     policy = parse_policy(spec)

@@ -39,7 +39,6 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from lwm_jax.cli_args import add_prepare_args  # re-exported (API)
 from lwm_jax.data.binidx import BinIdxWriter, token_dtype_for_vocab
 from lwm_jax.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
 from lwm_jax.user_input import check_encodable, check_output_file, quote_path, write_text
@@ -52,7 +51,7 @@ BATCH_BYTES = 1 << 20  # text per batch sent to a worker
 BATCH_DOCS = 4096  # documents per batch at most
 MAX_WORKERS = 32
 BYTES_PER_WORKER = 4 << 20  # auto_workers: a worker for each 4 MB of input, at most
-__all__ = ["PrepareResult", "add_prepare_args", "auto_workers", "binidx_prefix", "expand_inputs",
+__all__ = ["PrepareResult", "auto_workers", "binidx_prefix", "expand_inputs",
            "iter_documents", "prepare", "read_tokenizer_record", "run_prepare"]
 
 

@@ -49,7 +49,7 @@ from lwm_jax.diagnostics import subops_llama, subops_rwkv7
 from lwm_jax.diagnostics.nonfinite import probed_forward
 from lwm_jax.diagnostics.subops import (Context, Family, max_abs_error, nonfinite_count,
                                         rel_error)
-from lwm_jax.loss_scale import loss_scale_for
+from lwm_jax.precision.loss_scale import loss_scale_for
 from lwm_jax.precision import Policy, parse_policy
 
 FAMILIES: dict[str, Family] = {"RWKV7": subops_rwkv7.FAMILY, "Llama": subops_llama.FAMILY}

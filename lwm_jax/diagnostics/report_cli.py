@@ -1,7 +1,7 @@
 """`lwm-jax precision-report` once the model exists: choose the batch, warm an initialised
 model, run the report, print the table and write `report.json` + `heatmap.png`.
 
-`lwm_jax.cli.precision_report_main` builds the model (a run config at its initialisation, or a
+`lwm_jax.cli.precision_report.precision_report_main` builds the model (a run config at its initialisation, or a
 checkpoint) and calls `run_report(model, args, policy)`; building lives there because this
 package sits below the model and training packages.
 

@@ -13,7 +13,7 @@ first) imports no jax, so the command reports its first stage at once.
 from lwm_jax._lazy import lazy_getattr
 
 _SOURCES = {
-    "PairScorer": "lwm_jax.eval.batched", "add_eval_args": "lwm_jax.eval.cli",
+    "PairScorer": "lwm_jax.eval.batched",
     "eval_main": "lwm_jax.eval.cli", "HarnessModel": "lwm_jax.eval.harness",
     **dict.fromkeys(("LambadaResult", "encode_examples", "last_word_accuracy", "read_jsonl",
                      "split_last_word"), "lwm_jax.eval.lambada"),
@@ -24,4 +24,4 @@ _SOURCES = {
 __getattr__ = lazy_getattr(__name__, _SOURCES)
 __all__ = ["Scorer", "PerplexityResult", "stream_nll", "evaluate_stream", "load_stream",
            "count_bytes", "LambadaResult", "split_last_word", "read_jsonl", "encode_examples",
-           "last_word_accuracy", "add_eval_args", "eval_main", "HarnessModel", "PairScorer"]
+           "last_word_accuracy", "eval_main", "HarnessModel", "PairScorer"]

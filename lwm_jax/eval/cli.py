@@ -21,7 +21,7 @@ model or precision. `--tasks` needs `lm_eval` (`pip install 'lwm_jax[eval]'`;
 directory from which lm-eval would run Python (a `.py` file, a `!function` tag) is refused
 unless `--allow-task-code` is given, and without that flag its Jinja templates render in a
 sandbox: task files are data until the user says they trust them. Arguments:
-`lwm_jax.cli_args.add_eval_args`.
+`lwm_jax.cli.args.add_eval_args`.
 """
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ import math
 import os
 import sys
 
-from lwm_jax.cli_args import add_eval_args  # re-exported (API)
 from lwm_jax.user_input import NonFiniteError, check_output_file, quote_path, write_text
 
 
@@ -241,8 +240,3 @@ def _run_lm_eval(args: argparse.Namespace, model, tok, manager, names: list[str]
         _check_finite(task, ",".join(names),
                       {k: v for k, v in metrics.items() if "_stderr" not in k})
     return {"tasks": names, "prefix": args.prefix, "limit": args.limit, **out}
-
-
-def main(argv=None) -> None:
-    p = add_eval_args(argparse.ArgumentParser(prog="lwm-jax eval"))
-    eval_main(p.parse_args(argv))

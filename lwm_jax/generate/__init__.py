@@ -12,11 +12,11 @@ state continues with or without new text).
     saved = load_state_file("sys.safetensors", model.cfg)
     gen.generate([[]], 50, initial_state=saved.state, initial_logits=saved.logits)  # no new text
 """
-from lwm_jax.generate.cli import add_generate_args, generate_main
+from lwm_jax.generate.cli import generate_main
 from lwm_jax.generate.engine import GenerationResult, Generator, generate
 from lwm_jax.generate.sampling import SamplingParams, apply_penalties, filter_logits, sample
 from lwm_jax.generate.state_io import SavedState, load_state, load_state_file, save_state
 
 __all__ = ["Generator", "GenerationResult", "generate", "SamplingParams", "apply_penalties",
            "filter_logits", "sample", "save_state", "load_state", "load_state_file", "SavedState",
-           "add_generate_args", "generate_main"]
+           "generate_main"]

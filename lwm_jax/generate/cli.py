@@ -1,4 +1,4 @@
-"""`lwm-jax generate`: entry point (arguments: `lwm_jax.cli_args.add_generate_args`).
+"""`lwm-jax generate`: entry point (arguments: `lwm_jax.cli.args.add_generate_args`).
 
     lwm-jax generate --checkpoint DIR_OR_PTH --prompt "The Eiffel tower is in" \
         [--max-new-tokens 100] [--temperature 1.0] [--top-p 0.85] [--top-k 0] [--seed 0]
@@ -21,11 +21,10 @@ import os
 import sys
 import time
 
-from lwm_jax.cli_args import add_generate_args, add_model_args  # re-exported (API)
 from lwm_jax.user_input import quote_path
 
 DEFAULT_TOKENIZER = {256: "byte", 65536: "world"}
-__all__ = ["add_model_args", "add_generate_args", "load_model_and_tokenizer", "generate_main",
+__all__ = ["load_model_and_tokenizer", "generate_main",
            "DEFAULT_TOKENIZER"]
 
 
@@ -196,8 +195,3 @@ def _summary(n_prompt: int, n_new: int, elapsed: float, to_first: float | None,
         if n_new > 1 and decode_s > 0:
             line += f", then {(n_new - 1) / decode_s:.1f} tokens/s"
     return line + f"; stopped by {reason}"
-
-
-def main(argv=None) -> None:
-    p = add_generate_args(argparse.ArgumentParser(prog="lwm-jax generate"))
-    generate_main(p.parse_args(argv))

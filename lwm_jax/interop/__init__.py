@@ -7,9 +7,9 @@
 """
 from lwm_jax.interop.api import (EXPORT_FORMATS, FORMATS, convert, detect_format, export,
                                  load_pretrained, read_params)
-from lwm_jax.interop.cli import add_convert_args, add_export_args, convert_main, export_main
+from lwm_jax.interop.cli import convert_main, export_main
 from lwm_jax.interop.params import model_from_params, params_from_model
 
 __all__ = ["load_pretrained", "read_params", "convert", "export", "detect_format",
            "model_from_params", "params_from_model", "FORMATS", "EXPORT_FORMATS",
-           "add_convert_args", "convert_main", "add_export_args", "export_main"]
+           "convert_main", "export_main"]

@@ -1,4 +1,4 @@
-"""`lwm-jax convert` and `lwm-jax export`: entry points (arguments: `lwm_jax.cli_args`).
+"""`lwm-jax convert` and `lwm-jax export`: entry points (arguments: `lwm_jax.cli.args`).
 
     lwm-jax convert --input RWKV-x070-World-0.1B.pth --output ckpt/0.1b   # config.yaml + params/
     lwm-jax export --input ckpt/0.1b --output out/model.pth --format rwkv-pth   # bf16 by default
@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import argparse
 
-from lwm_jax.cli_args import add_convert_args, add_export_args  # re-exported (API)
 from lwm_jax.interop.orbax_files import shown
 
-__all__ = ["add_convert_args", "add_export_args", "convert_main", "export_main"]
+__all__ = ["convert_main", "export_main"]
 
 
 def convert_main(args: argparse.Namespace) -> None:

@@ -52,7 +52,7 @@ import orbax.checkpoint as ocp
 
 from lwm_jax.diagnostics.nonfinite import nonfinite_params
 from lwm_jax.interop.orbax_files import corrupt_data, restore_detail, step_damage
-from lwm_jax.loss_scale import all_finite
+from lwm_jax.precision.loss_scale import all_finite
 from lwm_jax.train.config import CheckpointSection
 
 

@@ -29,7 +29,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
 from lwm_jax.layers.layout import activation_spec
-from lwm_jax.loss_scale import DynamicLossScale, NoLossScale
+from lwm_jax.precision.loss_scale import DynamicLossScale, NoLossScale
 from lwm_jax.models.registry import loss_head
 from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss
 from lwm_jax.train.optimizer import applied_updates, guarded_update

@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 
 from lwm_jax.diagnostics.nonfinite import describe, tap_stats
 from lwm_jax.hardware import platform_of
-from lwm_jax.loss_scale import loss_scale_for
+from lwm_jax.precision.loss_scale import loss_scale_for
 from lwm_jax.models.registry import DEFAULT_ARCH, get_arch
 from lwm_jax.models.rwkv7.config import upgrade_saved_model
 from lwm_jax.precision import parse_policy

@@ -8,7 +8,8 @@ import pytest
 from lwm_jax.data import corpus
 from lwm_jax.data.binidx import BinIdxDataset, BinIdxWriter
 from lwm_jax.data.corpus import build_stdlib_corpus, cache_root, stdlib_corpus, stdlib_sources
-from lwm_jax.data.prepare import add_prepare_args, prepare, run_prepare
+from lwm_jax.cli.args import add_prepare_args
+from lwm_jax.data.prepare import prepare, run_prepare
 from lwm_jax.tokenizers import ByteTokenizer
 
 

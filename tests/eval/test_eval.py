@@ -12,7 +12,8 @@ import pytest
 
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.data.binidx import write_binidx
-from lwm_jax.eval import (PairScorer, Scorer, add_eval_args, eval_main, evaluate_stream,
+from lwm_jax.cli.args import add_eval_args
+from lwm_jax.eval import (PairScorer, Scorer, eval_main, evaluate_stream,
                           last_word_accuracy, load_stream, read_jsonl, split_last_word)
 from lwm_jax.interop.native import save_native
 from lwm_jax.interop.params import model_from_params

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lwm_jax.eval import add_eval_args, eval_main
+from lwm_jax.cli.args import add_eval_args
+from lwm_jax.eval import eval_main
 from lwm_jax.eval.harness import HarnessModel
 from lwm_jax.eval.perplexity import stream_windows
 from lwm_jax.eval.requests import rolling_pairs

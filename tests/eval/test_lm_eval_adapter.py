@@ -14,7 +14,8 @@ pytest.importorskip("lm_eval")
 
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from lwm_jax.eval import add_eval_args, eval_main  # noqa: E402
+from lwm_jax.cli.args import add_eval_args  # noqa: E402
+from lwm_jax.eval import eval_main  # noqa: E402
 from lwm_jax.eval.harness import HarnessModel  # noqa: E402
 from lwm_jax.eval.lm_eval_adapter import (  # noqa: E402
     LwmLM, check_task_code, find_task_code, run_tasks, sandboxed_templates, task_manager)

@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 from lwm_jax.models.rwkv7.config import ModelConfig
+from lwm_jax.cli.args import add_generate_args
 from lwm_jax.generate import engine
 from lwm_jax.generate.engine import TRACES
-from lwm_jax.generate import (Generator, SamplingParams, add_generate_args, apply_penalties,
+from lwm_jax.generate import (Generator, SamplingParams, apply_penalties,
                               filter_logits, generate_main, load_state, sample, save_state)
 from lwm_jax.interop.native import save_native
 from generate_common import CFG, GREEDY, rel

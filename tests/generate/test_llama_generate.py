@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from lwm_jax.generate import Generator, SamplingParams, add_generate_args, generate_main
+from lwm_jax.cli.args import add_generate_args
+from lwm_jax.generate import Generator, SamplingParams, generate_main
 from lwm_jax.interop.native import save_native
 from lwm_jax.interop.params import params_from_model
 from lwm_jax.models.llama import Llama, LlamaConfig

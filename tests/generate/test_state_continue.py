@@ -13,7 +13,8 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from lwm_jax.cli import main as cli_main
-from lwm_jax.generate import (add_generate_args, generate_main, load_state, load_state_file,
+from lwm_jax.cli.args import add_generate_args
+from lwm_jax.generate import (generate_main, load_state, load_state_file,
                               save_state)
 from lwm_jax.generate.state_io import FORMAT, FORMAT_V1
 from lwm_jax.interop.native import save_native

@@ -11,7 +11,7 @@ import pytest
 from lwm_jax.cli import main
 from lwm_jax.interop import read_params
 from lwm_jax.interop.testing import random_params
-from lwm_jax.loss_scale import NoLossScale
+from lwm_jax.precision.loss_scale import NoLossScale
 from lwm_jax.tokenizers import ByteTokenizer
 from lwm_jax.train.checkpoint import Checkpointer
 from lwm_jax.train.config import CheckpointSection, RunConfig

@@ -17,7 +17,7 @@ from lwm_jax.interop import read_params
 from lwm_jax.interop.native import save_native
 from lwm_jax.interop.orbax_files import pytree_damage, step_damage
 from lwm_jax.interop.testing import random_params
-from lwm_jax.loss_scale import NoLossScale
+from lwm_jax.precision.loss_scale import NoLossScale
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.train.checkpoint import Checkpointer
 from lwm_jax.train.config import CheckpointSection, RunConfig

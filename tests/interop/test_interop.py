@@ -202,7 +202,8 @@ def test_cross_format_and_native_convert(tree, tmp_path):
 def test_cli_convert_export_and_missing_torch(tree, tmp_path, monkeypatch, capsys):
     import argparse
     import sys
-    from lwm_jax.interop import add_convert_args, add_export_args, convert_main, export_main
+    from lwm_jax.cli.args import add_convert_args, add_export_args
+    from lwm_jax.interop import convert_main, export_main
     from lwm_jax.interop.torch_io import load_state_dict
     hf.write_hf(CFG.resolved(), tree, tmp_path / "hf", dtype="f32")
     convert_main(add_convert_args(argparse.ArgumentParser()).parse_args(
@@ -239,7 +240,7 @@ def test_training_run_params_are_readable(tree, tmp_path):
     import jax
     import jax.numpy as jnp
     import optax
-    from lwm_jax.loss_scale import NoLossScale
+    from lwm_jax.precision.loss_scale import NoLossScale
     from lwm_jax.train.checkpoint import Checkpointer
     from lwm_jax.train.config import CheckpointSection, RunConfig
     from lwm_jax.train.step import TrainState

@@ -16,7 +16,7 @@ from lwm_jax.interop import hf, read_params
 from lwm_jax.interop.native import save_native
 from lwm_jax.interop.params import flatten
 from lwm_jax.interop.testing import random_params
-from lwm_jax.loss_scale import NoLossScale
+from lwm_jax.precision.loss_scale import NoLossScale
 from lwm_jax.models.rwkv7.config import ModelConfig
 from lwm_jax.train.checkpoint import Checkpointer
 from lwm_jax.train.config import CheckpointSection, RunConfig

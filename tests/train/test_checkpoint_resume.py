@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.data import write_binidx
-from lwm_jax.loss_scale import DynamicLossScale
+from lwm_jax.precision.loss_scale import DynamicLossScale
 from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
 from lwm_jax.train.config import CheckpointSection, load_config
 from lwm_jax.train.metrics import read_metrics

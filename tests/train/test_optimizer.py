@@ -9,7 +9,7 @@ import optax
 import pytest
 from flax import nnx
 
-from lwm_jax.loss_scale import DynamicLossScale, loss_scale_for
+from lwm_jax.precision.loss_scale import DynamicLossScale, loss_scale_for
 from lwm_jax.models.rwkv7 import RWKV7
 from lwm_jax.precision import parse_policy
 from lwm_jax.train.config import TrainSection, load_config

@@ -89,7 +89,7 @@ def decay_log(p: dict, x_w_BTC, policy):
     policy (`policy.einsum_f32(..., precision="highest")`; a TF32 product, the GPU's `default`,
     puts ~4e-4 relative error on a slow channel's `w`, which `exp(T w)` multiplies by T); under
     a bf16 compute dtype as bf16 tensor-core products of the operands' exact bf16 pieces
-    (`lwm_jax.bf16_split`), elsewhere as HIGHEST products; `w0` is upcast. The backward
+    (`lwm_jax.precision.bf16_split`), elsewhere as HIGHEST products; `w0` is upcast. The backward
     products are the policy's (`einsum_f32`). Returns `[B, T, C]` float32 in `(-0.6065, 0)`.
     """
     hidden = jnp.tanh(policy.einsum_f32("btc,cr->btr", x_w_BTC, p["w1"], precision="highest"))

@@ -53,7 +53,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lwm_jax import bf16_split
+from lwm_jax.precision import bf16_split
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 DTYPES: dict[str, Any] = {

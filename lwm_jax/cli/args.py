@@ -32,7 +32,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 # ------------------------------------------------------------------------------------ train
 def add_train_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Options of `lwm-jax train` (implemented in `lwm_jax.cli.train_main`)."""
+    """Options of `lwm-jax train` (implemented in `lwm_jax.train.cli.train_main`)."""
     p.add_argument("--config", "-c", default=None, metavar="YAML",
                    help="run config (default: the built-in tiny config, = configs/tiny.yaml)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
@@ -209,9 +209,58 @@ def add_eval_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def add_precision_report_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--config", "-c", default=None, metavar="YAML",
+                     help="run config whose model is built at its initialisation and warmed "
+                          "(default: the built-in tiny config); KEY=VALUE overrides apply to it")
+    src.add_argument("--checkpoint", default=None,
+                     help="study a trained model instead: our converted directory, a training "
+                          "run directory (its newest step, e.g. runs/tiny after lwm-jax train), "
+                          "an official .pth file or an HF directory")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
+                   help="dotted config overrides, e.g. model.n_layer=2 runtime.chunk_size=16")
+    p.add_argument("--format", default=None, choices=FORMATS,
+                   help="checkpoint format (default: detected from the path)")
+    p.add_argument("--policy", default=None,
+                   help="precision policy to examine (default: the config's precision; "
+                        "bf16-mixed for a checkpoint)")
+    p.add_argument("--shadow", default="fp32",
+                   help="reference policy for end-to-end and gradient errors; none = local "
+                        "errors only (one run)")
+    p.add_argument("--data", default="auto", choices=("auto", "corpus", "random"),
+                   help="batch: the embedded byte-level corpus or uniform random tokens; auto = "
+                        "corpus for a byte-level model (vocab 256), random otherwise")
+    p.add_argument("--batch-size", type=int, default=2, help="sequences in the batch")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the batch (window or tokens) and of the warming noise; an "
+                        "integer in [0, 2**63)")
+    p.add_argument("--no-warm", action="store_true",
+                   help="study the initialisation as built (zero-initialised projections then "
+                        "measure as exact); not with --checkpoint")
+    p.add_argument("--no-gradients", action="store_true",
+                   help="skip the gradient comparison (saves one compilation per policy)")
+    p.add_argument("--output", "-o", default="precision_report",
+                   help="directory for report.json and heatmap.png")
+    return p
+
+
+REPORT_HELP = "where a precision policy loses accuracy: per-layer, per-op errors and a heat map"
+REPORT_DESCRIPTION = (
+    "Run one batch through a model under a precision policy and under a shadow policy (default "
+    "fp32) in this process; measure every layer's sub-ops (RWKV-7: decay, WKV, ln_x, FFN; "
+    "LLaMA: attention, RMSNorm, MLP, RoPE; both: logits, loss) against float64 formulas on "
+    "the run's own inputs and against the shadow, and each parameter group's gradient. Prints "
+    "a table, writes report.json and heatmap.png, and names the worst offender with the "
+    "policy change that would fix it. The model: --checkpoint's as trained; otherwise the "
+    "config's initialisation, warmed (its zero-initialised projections and constant norms "
+    "drawn at a trained-like scale from --seed, since a zero projection measures as exact in "
+    "every precision); every output names the model studied.")
+
 # (name, one-line help, module of the entry point, entry point, add-arguments function)
 COMMANDS = (
-    ("train", "train (or resume) a model", "lwm_jax.cli", "train_main", add_train_args),
+    ("train", "train (or resume) a model", "lwm_jax.train.cli", "train_main", add_train_args),
     ("prepare", "tokenise .txt/.jsonl/.parquet files into a binidx dataset", "lwm_jax.data.prepare",
      "run_prepare", add_prepare_args),
     ("convert", "import an official RWKV-7 .pth, an FLA/HF RWKV-7 or a HF LLaMA checkpoint",
@@ -225,9 +274,12 @@ COMMANDS = (
      "lwm_jax.eval.cli", "eval_main", add_eval_args),
     ("compile", "compile a config's train step for a TPU topology (no TPU needed): per-chip "
      "memory plan, estimate, --save", "lwm_jax.aot.cli", "compile_main", add_compile_args),
+    ("precision-report", REPORT_HELP, "lwm_jax.cli.precision_report", "precision_report_main",
+     add_precision_report_args),
 )
 DESCRIPTIONS = {
     "train": "Train a model of any family (RWKV-7, LLaMA-style, hybrid: the config's arch). "
              "With no --config: the tiny byte-level RWKV-7 on the built-in corpus. Rerunning "
              "the same command resumes from the newest checkpoint.",
+    "precision-report": REPORT_DESCRIPTION,
 }

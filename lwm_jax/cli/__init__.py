@@ -10,7 +10,7 @@
     lwm-jax precision-report --policy bf16-mixed model.n_layer=2    # where precision is lost
 
 `train` takes dotted `key=value` overrides after the options (values are parsed as YAML).
-Arguments are defined in `lwm_jax.cli_args` (light); only the chosen subcommand's module is
+Arguments are defined in `lwm_jax.cli.args` (light); only the chosen subcommand's module is
 imported. Every problem is reported as ONE line on stderr:
 
   status 0  success
@@ -32,117 +32,10 @@ import os
 import signal
 import sys
 
-from lwm_jax.cli_args import COMMANDS, DESCRIPTIONS, HelpFormatter
-from lwm_jax.diagnostics.report_args import DESCRIPTION as REPORT_DESCRIPTION
-from lwm_jax.diagnostics.report_args import HELP as REPORT_HELP
-from lwm_jax.diagnostics.report_args import add_precision_report_args
-from lwm_jax.user_input import (check_output_dir, ignore_closed_event_loop_noise, load_yaml_file,
-                                one_line, quote_path)
+from lwm_jax.cli.args import COMMANDS, DESCRIPTIONS, HelpFormatter
+from lwm_jax.user_input import ignore_closed_event_loop_noise, one_line, quote_path
 
 DEBUG_VARS = ("LWM_DEBUG", "LWM_JAX_DEBUG")
-
-
-# ------------------------------------------------------------------------------------ train
-def check_config_path(path: str | None) -> None:
-    """Refuse (one line) a `--config` that exists but is not a regular file or directory (a
-    FIFO would block the read; `load_config` would call it "not found")."""
-    if path is not None and os.path.exists(path) and not os.path.isfile(path) \
-            and not os.path.isdir(path):
-        raise ValueError(f"--config: {quote_path(path)} is not a regular file (a FIFO, device "
-                         "or socket); give a YAML file")
-
-
-def train_main(args: argparse.Namespace) -> int:
-    """`lwm-jax train`: load + validate the config; check the run directories, the memory and
-    the data's recorded tokenizer before anything is allocated; then train. Returns the exit
-    status (3 when training diverged, 130 / 143 when SIGINT / SIGTERM stopped it after its
-    checkpoint); raises ValueError (one line) for bad input."""
-    from lwm_jax.train.config import load_config
-
-    check_config_path(args.config)
-    # --print-config shows the resolved config only: the data need not exist yet
-    cfg = load_config(args.config, args.overrides, data_files=not args.print_config)
-    if args.print_config:
-        print(cfg.to_yaml(), end="")
-        return 0
-    from lwm_jax.train.distributed import initialize_from_env, is_primary
-    initialize_from_env()                   # a multi-process launch: before any device use
-    _check_run_dirs(cfg)
-    if args.compiled is not None:          # a wrong file is refused before the run dir is used
-        import jax
-
-        from lwm_jax.train.saved_step import check_header, read_header
-        check_header(read_header(args.compiled)[0], args.compiled, cfg, jax.devices())
-    from lwm_jax.train.preflight import check_memory_on_devices
-    check_memory_on_devices(cfg)
-    from lwm_jax.train.batches import check_tokenizer_record
-    for key, prefix in (("data.path", cfg.data.path), ("data.val_path", cfg.data.val_path)):
-        if prefix is not None:          # fail before the model is built (load_splits re-checks)
-            check_tokenizer_record(key, prefix, cfg.data.tokenizer, None)
-    from lwm_jax.train.compile_cache import enable_compilation_cache
-    from lwm_jax.train.trainer import train
-
-    enable_compilation_cache()              # before the first compilation
-    result = train(cfg, progress=not args.no_progress, stop_after=args.stop_after,
-                   compiled=args.compiled)
-    if result.stopped_by == "non-finite":
-        print(f"lwm-jax train: error: {one_line(result.diagnosis, 2000)}", file=sys.stderr)
-        return 3
-    if result.stopped_by == "complete":                # the trainer said so; nothing written
-        return 0
-    if result.stopped_by in ("SIGINT", "SIGTERM"):   # the trainer said where it checkpointed
-        return 130 if result.stopped_by == "SIGINT" else 143
-    val = "n/a" if result.final_val_loss is None else f"{result.final_val_loss:.4f}"
-    if is_primary():
-        print(f"lwm-jax train: step {result.step}, validation loss {val}, "
-              f"run dir {result.run_dir}")
-    return 0
-
-
-def _check_run_dirs(cfg) -> None:
-    """Refuse unusable run/checkpoint directories and a damaged saved `config.yaml` (which the
-    trainer compares against before resuming) with one line each."""
-    check_output_dir(cfg.resolved_run_dir, "run_dir")
-    check_output_dir(cfg.checkpoint_dir, "checkpoint.dir")
-    saved = os.path.join(cfg.resolved_run_dir, "config.yaml")
-    if os.path.isfile(saved) and os.path.isdir(cfg.checkpoint_dir):
-        doc = load_yaml_file(saved, f"run_dir: {saved}")
-        if not isinstance(doc, dict):
-            raise ValueError(f"run_dir: {saved} should hold the run's config mapping but holds a "
-                             f"{type(doc).__name__}; restore it or choose a new run_dir")
-
-
-# ------------------------------------------------------------------------ precision-report
-def precision_report_main(args: argparse.Namespace) -> int:
-    """`lwm-jax precision-report`: the model from `--checkpoint`, or a run config's model at
-    its initialisation (seed `train.seed`), then `lwm_jax.diagnostics.report_cli.run_report`.
-    Returns 0, or 3 when the examined policy produced a non-finite value."""
-    from lwm_jax.diagnostics.report_cli import check_args, run_report
-
-    check_args(args)
-    if args.checkpoint is not None:
-        if args.overrides:
-            raise ValueError(f"precision-report: {args.overrides[0]!r}: KEY=VALUE overrides "
-                             "apply to --config only; drop them or use --config")
-        from lwm_jax.interop.api import load_pretrained
-        model, _ = load_pretrained(args.checkpoint, args.format)
-        return run_report(model, args, args.policy or "bf16-mixed")
-    from flax import nnx
-
-    from lwm_jax.models.registry import get_arch
-    from lwm_jax.train.config import load_config
-    check_config_path(args.config)
-    cfg = load_config(args.config, args.overrides, data_files=False)   # the model only
-    model = get_arch(cfg.arch).model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
-                                         rngs=nnx.Rngs(cfg.train.seed))
-    return run_report(model, args, args.policy or cfg.precision)
-
-
-# Subcommands whose light argument modules live beside their implementation.
-EXTRA_COMMANDS = (
-    ("precision-report", REPORT_HELP, "lwm_jax.cli", "precision_report_main",
-     add_precision_report_args),
-)
 
 
 # ----------------------------------------------------------------------------------- parser
@@ -175,9 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Errors are one line on stderr: exit status 2 bad input, 3 non-finite result,\n"
                "1 internal error (with a crash log). LWM_DEBUG=1 shows tracebacks.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    descriptions = {**DESCRIPTIONS, "precision-report": REPORT_DESCRIPTION}
-    for name, help_text, module, function, add_args in COMMANDS + EXTRA_COMMANDS:
-        p = sub.add_parser(name, help=help_text, description=descriptions.get(name, help_text),
+    for name, help_text, module, function, add_args in COMMANDS:
+        p = sub.add_parser(name, help=help_text, description=DESCRIPTIONS.get(name, help_text),
                            formatter_class=HelpFormatter)
         add_args(p)
         p.set_defaults(func=_Entry(module, function))
@@ -317,6 +209,3 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
