@@ -10,7 +10,7 @@ Every machine with Python has it, so examples and tests train on real text with 
   * cache: `<cache>/stdlib-<python version>-<key>/{train,val}.{bin,idx}` + `manifest.json`, where
     key hashes the file list (names, sizes), the options and `FORMAT_VERSION`; the cache root is
     `cache_dir`, else $LWM_JAX_CACHE, else $XDG_CACHE_HOME/lwm_jax, else ~/.cache/lwm_jax. A
-    finished directory is reused as is (a second call costs a directory walk, ~10 ms).
+    finished directory is reused as is (a second call costs only a directory walk).
 """
 from __future__ import annotations
 

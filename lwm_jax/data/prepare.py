@@ -17,7 +17,8 @@ output is byte-identical to `workers=1` (the in-process path). At most 2 batches
 in flight (memory stays bounded). The tokenizer reaches the workers pickled (a `WorldTokenizer`
 pickles as its vocabulary path); a tokenizer object that cannot be pickled falls back to one
 worker. `auto_workers` (the CLI default) is min(cores, 32), fewer for small inputs (a worker
-costs ~1 s to start), and 1 for the byte tokenizer (sending the text costs more than encoding it).
+costs a process start and a tokenizer build), and 1 for the byte tokenizer (sending the text
+costs more than encoding it).
 
 Besides `<prefix>.bin` / `<prefix>.idx`, a small `<prefix>.tokenizer.json` records the tokenizer
 used (`read_tokenizer_record`); training refuses data whose record disagrees with

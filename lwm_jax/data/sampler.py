@@ -1,7 +1,7 @@
 """Deterministic, checkpointable sampler of [batch, ctx_len + 1] token windows.
 
 Why not google `grain`: it fits functionally (seeded lazy shuffle, sharding, get_state), but it
-adds four packages (one a native extension, array_record) and ~1 s of import for what is ~150
+adds four packages (one a native extension, array_record) and a noticeable import for what is ~150
 lines here, and its shuffle order is not a documented contract, so a grain upgrade could silently
 change which windows a resumed run sees. This sampler's order depends only on `permutation.py`.
 

@@ -31,7 +31,8 @@ Family-neutral: the model is any class with the registry's interface (`lwm_jax.m
 own class and parameters; the sub-op table is chosen by the class name. CPU note: XLA's CPU
 backend computes float32 products in IEEE float32 at every matmul precision, so `fp32-fast`
 equals `fp32` there and TF32 effects need a GPU run (measured on an H200: bf16-mixed's float32
-logits island and WKV state carry TF32's ~3e-4 / ~7e-4, at their product floors).
+logits island and WKV state carry TF32's rounding, at their product floors; figures in
+docs/precision.md, "Measuring a policy").
 """
 from __future__ import annotations
 

@@ -9,8 +9,9 @@ partitioned two ways, and XLA's sharding propagation does not always take the ch
 W, a few MB) over the costly one (move `x`, a few hundred MB). In the layer loop without
 `lax.scan` it chose the costly one for the 0.1B RWKV-7 on two H200s (`mesh.fsdp=2`): the
 channel-mix activations and the `[B, T, V]` logits were all-gathered and reduce-scattered,
-and the step took 272.67 ms against 142.35 ms data-parallel. A constraint on the residual stream
-at every layer boundary leaves only the first way.
+and the step ran far slower than data-parallel (`benchmarks/train_step.py`; figures in
+benchmarks/RESULTS-log.md). A constraint on the residual stream at every layer boundary leaves
+only the first way.
 """
 from __future__ import annotations
 

@@ -3,10 +3,11 @@ gradient is one stack of the layers' gradients.
 
 Indexing `a[l]` once per layer gives the same views, but the transpose of each index is a
 zero-padded `[L, ...]` array, and the L of them are summed: in the 1.5B train step without the
-layer scan that sum (`transpose(jvp())/add_any` in a profile's op paths) took 6.3 ms of a
-250 ms step on an H100. `unstack` returns all L views under one custom VJP whose backward
-stacks the L cotangents: the same numbers (adding zeros is exact), one concatenation, which
-XLA may also fuse into the optimizer's reads of the gradient.
+layer scan that sum (`transpose(jvp())/add_any` in a profile's op paths) took a visible share of
+the step on an H100 (`benchmarks/profile_summary.py` on a `benchmarks/train_step.py` profile;
+figures in benchmarks/RESULTS-log.md). `unstack` returns all L views under one custom VJP whose
+backward stacks the L cotangents: the same numbers (adding zeros is exact), one concatenation,
+which XLA may also fuse into the optimizer's reads of the gradient.
 """
 from __future__ import annotations
 

@@ -8,14 +8,15 @@ accumulation has an IEEE float32 matmul's error, up to the accumulation order an
 below ~2^-24 of the result that are left out: it keeps the six terms `i + j <= 2` of
 `x_i @ y_j` (i, j = 0 hi, 1 mid, 2 lo). An operand that is bfloat16 already (a 16-bit
 activation upcast for the product) is one piece, exactly, and then three terms remain.
-Measured on an H100 (benchmarks/RESULTS-log.md, 2026-11-26, 8c00b40): the decay island's largest relative
-error 2.6e-5 / 5.8e-6 (1.5B / 0.1B shapes) against IEEE's 1.7e-5 / 7.2e-6 and TF32's
-5.5e-3 / 3.3e-3.
+Measured on an H100: the decay island's largest relative error is of the order of IEEE
+float32's, orders of magnitude below TF32's (`benchmarks/decay_products.py` measures error and
+time; figures in benchmarks/RESULTS-log.md).
 
 Why: on GPUs XLA runs an IEEE float32 matmul (`Precision.HIGHEST`) off the tensor cores, and
 at the skinny shapes of a LoRA (rank 64-256) its own split-product algorithms of float32
-accuracy (`DotAlgorithmPreset.BF16_BF16_F32_X6`, `TF32_TF32_F32_X3`) are barely faster (1.5B
-island: 5.97 / 6.81 vs 6.88 ms per step; here 4.02; benchmarks/RESULTS-log.md, 2026-11-26, 8c00b40).
+accuracy (`DotAlgorithmPreset.BF16_BF16_F32_X6`, `TF32_TF32_F32_X3`) measured barely faster
+than it on the 1.5B island, where this module's form was clearly faster than all three
+(`benchmarks/decay_products.py`; figures in benchmarks/RESULTS-log.md).
 Here the terms of one product become one bfloat16 GEMM: stacked along the output (x a single
 piece: y's pieces side by side, x read once) or along the contracted axis (each term's
 operands concatenated: for a split x, which should then be the small operand).
@@ -36,7 +37,8 @@ def bf16_pieces(x, n: int) -> list:
     """`n` bfloat16 arrays, largest first, whose float32 sum is `x` (float32): exactly for n = 3,
     to within 2^-(8 n - 1) relative for fewer (n = 1: exact for values that are bf16 numbers).
     n = 1 masks too: a plain cast there (XLA then drops the bf16 -> float32 -> bf16 casts) ran
-    the 1.5B step at the same speed with 0.75 GiB more peak memory (benchmarks/RESULTS-log.md, 2026-11-26, 02515c2).
+    the 1.5B step at the same speed with more peak memory (`benchmarks/train_step.py`; figures
+    in benchmarks/RESULTS-log.md).
 
     Each piece keeps the leading 8 significant bits of what is left (the float32 bit pattern with
     its low 16 bits cleared), so the three pieces hold all 24 bits of x. The pieces are made by

@@ -215,7 +215,8 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     abstract_state, state_sh = prog.abstract_state, prog.state_sh
     step_tokens_sh = tokens_sharding(mesh, with_accum_axis=t.grad_accum > 1)
     # Compile the step and refuse one that cannot fit before anything is allocated: initialising
-    # a multi-billion-parameter state takes minutes on a GPU (67 s at 1.5B on an H100).
+    # a large model's state takes device memory and time that a refused run should not spend
+    # (benchmarks/init_time.py times the init; figures in benchmarks/RESULTS-log.md).
     tokens_shape = batches.global_batch_shape(t.batch_size, t.ctx_len + 1, t.grad_accum)
     step_args = (abstract_with_shardings(abstract_state, state_sh),
                  jax.ShapeDtypeStruct(tokens_shape, jnp.int32, sharding=step_tokens_sh))

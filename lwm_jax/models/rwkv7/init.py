@@ -114,9 +114,10 @@ def _haar_q(a):
     """Q of `a` `[m, n]` (m >= n) with the signs of `diag(R)` folded in (Q is then unique).
 
     Called per matrix, never on a batch: on GPU a batched QR runs cuSOLVER's batched,
-    unblocked kernel, which took 20.7 s for one `[24, 2048, 2048]` receptance/key/value stack of
-    the 1.5B model on an H100 (the three: 98.9% of a 63 s state init, benchmarks/init_time.py);
-    one matrix at a time the stack takes 0.28 s. Same values on CPU either way (LAPACK loops).
+    unblocked kernel, which took nearly all of the 1.5B model's state init on an H100 (its
+    square `[L, C, C]` receptance/key/value stacks); one matrix at a time the same stacks
+    measured far faster (`benchmarks/init_time.py --qr --profile`; figures in
+    benchmarks/RESULTS-log.md). Same values on CPU either way (LAPACK loops).
     """
     q, r = jnp.linalg.qr(a, mode="reduced")
     sign = jnp.sign(jnp.diagonal(r))

@@ -203,8 +203,8 @@ def test_lowers_to_triton_for_gpu(chunk, dtype):
 
 
 def test_sequential_launch_defaults_leave_one_program_per_sm():
-    """`resolve`'s measured rule (H100, benchmarks/RESULTS-log.md, 2026-11-26, 882a158): the sequential
-    launches take the fewest value columns per program that keep B*H*V/columns programs <= the
+    """`resolve`'s measured rule (`benchmarks/wkv7.py sweep`; figures in
+    benchmarks/RESULTS-log.md): the sequential launches take the fewest value columns per program that keep B*H*V/columns programs <= the
     SM count, and 3 pipeline stages; explicit `Tuning` fields still win."""
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     big = resolve(None, 32, 64, 64, sm_count=132)        # 1.5B, batch 2: 64 heads

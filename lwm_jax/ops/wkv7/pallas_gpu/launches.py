@@ -65,8 +65,9 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     more); the row form wanted 8 warps. The sequential launches (one program per head and
     column block, a chain over the chunks) run fastest with 3 pipeline stages and with the
     fewest columns per program that still leave at most one program per SM (`sm_count`;
-    default: the first device's, 132 off a GPU): seq_bwd 32 columns at 64 heads, 64 at 96
-    (H100, benchmarks/RESULTS-log.md, 2026-11-26, 882a158).
+    default: the first device's, 132 off a GPU): on an H100's 132 SMs, seq_bwd 32 columns at
+    64 heads, 64 at 96 (`benchmarks/wkv7.py sweep` times the launches; figures in
+    benchmarks/RESULTS-log.md).
     """
     tune = tune or Tuning()
     small = C <= 32
@@ -76,7 +77,8 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     pick = lambda value, default: default if value is None else value
     # outputs split off below two 16-column programs per SM (264 on the H100 / H200 measured)
     split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 2 * sms)
-    # with outputs the forward keeps 16 columns (0.1B: no gain from more, H100, 2026-11-26)
+    # with outputs the forward keeps 16 columns (more measured no gain at the 0.1B shape, where
+    # they need the output launch as well; benchmarks/wkv7.py sweep, benchmarks/RESULTS-log.md)
     block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out else 16), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
     if form not in _BWD_FORMS:
@@ -296,8 +298,8 @@ def intra_bwd(r, w, k, v, a, b, n_BT, inv, states, dS_end, do, *, H, C, prec, tu
         form, warps = tune.bwd_form, tune.warps_bwd
         if prec == jax.lax.Precision.HIGHEST and form != "rows":
             # IEEE fp32 dots have no tensor-core path: the 64 x 64 tiles of the other forms
-            # would lower to FMA loops with ~44 KB of spills per thread (ptxas), so exact mode
-            # runs the row form with its 8 warps.
+            # would lower to FMA loops that spill heavily (ptxas; benchmarks/NOTES-wkv7.md), so
+            # exact mode runs the row form with its 8 warps.
             form, warps = "rows", 8
         return launch(_BWD_FORMS[form], names, specs, [inv, states, dS_end, do], outs,
                       [grad_shape[o] for o in outs], [grad_spec[o] for o in outs],

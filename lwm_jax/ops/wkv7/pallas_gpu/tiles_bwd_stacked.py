@@ -12,9 +12,9 @@ Why: a Triton dot lowers to Hopper's warpgroup MMA (wgmma: operands from shared 
 accumulator spread over a warpgroup) only when its row count M is a multiple of 64. In the row
 form at C = 32 every dot has M = 32 and falls back to mma.sync with a warp layout that gives
 each warp a full copy of the left operand (ptxas: 255 registers per thread at 8 warps, one
-program per SM). The stacked form issues 13 wgmma products at 4 warps: 255 registers, two
-programs per SM on the H100 (register-bound; Nsight Compute, 2026-11-26 at 5bf12d6, before P and Inv2 were
-kept); the measured gains are in benchmarks/NOTES-wkv7.md.
+program per SM). The stacked form issues 13 wgmma products at 4 warps, two programs per SM on
+an H100 (register-bound; `benchmarks/wkv7.py ptxas` and Nsight Compute show it); the register
+counts and the measured gains are in benchmarks/NOTES-wkv7.md.
 
 Block tricks that keep everything in 2C-wide tiles (| = column concatenation):
   [v^T | 0] Amat^T = [(A_ak V)^T | (A_rk V)^T]; with Inv2 = [[0, 0], [inv, 0]],
@@ -104,9 +104,9 @@ def intra_backward_stacked(ld, st, n, prec):
     # P and Inv2 are built once and kept for all their products: XLA's Triton pipeline rounds
     # every float32 dot operand to TF32 (three instructions per element), once per distinct
     # value, so a tile rebuilt for a late use paid its construction and its rounding again
-    # (keeping them: 1.118 -> 0.999 ms per launch at the 1.5B shape, benchmarks/RESULTS-log.md,
-    # 2026-11-26, 5bf12d6). Kb is rebuilt and S0 reloaded for their late uses (keeping Kb as well
-    # measured no faster: registers, spills).
+    # (keeping them measured faster per launch at both training shapes; `benchmarks/wkv7.py
+    # sweep`, figures in benchmarks/RESULTS-log.md). Kb is rebuilt and S0 reloaded for their late
+    # uses (keeping Kb as well measured no faster: registers, spills).
     Kb_ = lambda: hcat(ldT("k"), ldT("b")) * jnp.exp(-g2)
     half = jax.lax.broadcasted_iota(jnp.int32, (1, 2 * C), 1) < C   # [1, 2C]: left half
     rows2 = jax.lax.broadcasted_iota(jnp.int32, (2 * C, 2 * C), 0)
