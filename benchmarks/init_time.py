@@ -2,9 +2,8 @@
 
 `lwm-jax train` and `benchmarks/train_step.py` start by initialising the state on the device
 (`TrainProgram.init_state`: one jitted program with the state's shardings as its outputs).
-On an H100 that took 67-69 s for the 1.5B config and more than 190 s for a 4.1B model over two
-GPUs (benchmarks/RESULTS-log.md, 2026-11-25), longer than compiling the train step. This times each
-part of it for one model:
+Before the batched-QR init it took longer than compiling the train step at 1.5B and above
+(figures in benchmarks/RESULTS-log.md). This times each part of it for one model:
 
 - `trace`: lowering the jitted init (building the model's modules on abstract values);
 - `compile`: XLA's compile of it;
