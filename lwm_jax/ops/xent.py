@@ -1,21 +1,34 @@
-"""Cross-entropy statistics and the logits gradient of one loss chunk in one kernel.
+"""Cross-entropy statistics and the logits gradient of one loss chunk: the op `xent` and its
+forms.
 
-For float32 logits `[N, V]` (N rows = tokens), integer targets `[N]` and a per-row scale `[N]`:
+For logits `[..., V]` (upcast to float32), integer targets `[...]` and a per-position scale
+`[...]`:
 
-    top_idx, top = argmax, max of each row (ties: the smallest index)
+    top_idx, top = argmax, max over V (ties: the smallest index)
     lse          = log(sum(exp(logits)))                     (online: running max and sum)
-    target       = logits[row, target]
+    target       = logits[..., target]
     d_logits     = (softmax(logits) - onehot(target) + [L2Wrap: l2wrap * top at top_idx]) * scale
 
-`xent_reference` is that in plain JAX, the fused loss's form everywhere but one GPU: two XLA
-fusions, the statistics from one variadic reduction (`max_argmax_logsumexp`, ~2.3 TB/s in the
-0.1B step on an H100), then the gradient. `xent_pallas` is one Pallas-Triton program per row:
-pass 1 reads the row block by block for the statistics, pass 2 reads it again, last block
-first (the blocks pass 1 read last are the likeliest to still be in L2), and writes the
-gradient in `grad_dtype`: the same bytes (two reads, one write) at ~2.9 TB/s on an H100
-(benchmarks/xent.py; step numbers in benchmarks/RESULTS-log.md, 2026-11-26, base bc92866).
-A NaN or +inf logit makes the row's `lse` NaN and a target outside [0, V) its `target` NaN,
-so the loss is NaN (as in the XLA form) and the step's non-finite guard skips it.
+`xent(logits, targets, scale, *, l2wrap, grad_dtype, impl, platform, one_device)` runs:
+
+    "xla"                  `xent_reference`: plain JAX, two XLA fusions: the statistics from
+                           one variadic reduction (`max_argmax_logsumexp`), then the gradient
+    "pallas" / "interpret" `xent_pallas`: one Pallas-Triton program per row ("interpret": in
+                           the Pallas interpreter), on a device mesh too
+    "auto"                 the kernel on one GPU when the vocabulary tiles (`vocab_block`),
+                           else XLA's form
+
+(`impl` is `train.loss.fused_lm_loss`'s `xent_impl`; the rule is `kernel_runs`, which is
+`kernel_choice.kernel_chosen` for "auto" and "xla". Unlike the other ops', "pallas" on a device
+mesh is no error: the kernel runs there, as the loss has always let it.)
+
+The kernel's pass 1 reads a row block by block for the statistics; pass 2 reads it again, last
+block first (the blocks pass 1 read last are the likeliest to still be in L2), and writes the
+gradient in `grad_dtype`: the same bytes as the XLA form (two reads, one write) at a higher
+bandwidth, measured by benchmarks/xent.py (the kernel alone) and benchmarks/train_step.py (the
+step); figures in benchmarks/RESULTS-log.md ("the loss chunk's statistics and gradient in one
+Pallas kernel"). A NaN or +inf logit makes the row's `lse` NaN and a target outside [0, V) its
+`target` NaN, so the loss is NaN (as in the XLA form) and the step's non-finite guard skips it.
 """
 from __future__ import annotations
 
@@ -26,14 +39,60 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from lwm_jax.ops.kernel_choice import kernel_chosen
+
 _F32 = jnp.float32
 MAX_BLOCK = 4096      # logits per row read per loop step (16 KiB)
 MIN_BLOCK = 2048      # smaller blocks (vocabularies like 32000 = 2^8 x 125) are not measured
 
 
+def xent(logits, targets, scale, *, l2wrap: float | None, grad_dtype, impl: str = "xla",
+         platform: str | None = None, one_device: bool = True):
+    """Cross-entropy statistics and logits gradient over the last axis, as `impl` says.
+
+    Args:
+      logits: `[..., V]` any float dtype (upcast to float32).
+      targets: integer `[...]`, token ids in [0, V) (one outside: its `target` is NaN).
+      scale: float `[...]` (or broadcastable to it), each position's factor on `d_logits`
+        (0 for a padded position).
+      l2wrap: L2Wrap's factor, or None (no L2Wrap term).
+      grad_dtype: the dtype `d_logits`' consumer rounds it to (in the loss: the head's
+        backward products, the compute dtype). The kernel writes `d_logits` in it; the XLA
+        form returns float32 and leaves that rounding to the consumer.
+      impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
+      platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
+        default devices'; read by "auto" only).
+      one_device: False on a device mesh: "auto" keeps XLA's form there ("pallas" still runs
+        the kernel).
+    Returns:
+      `(lse, target, top, top_idx, d_logits)`: float32 `[...]` x 3, int32 `[...]`, and
+      `[..., V]` in `grad_dtype` (kernel) or float32 (XLA form).
+    """
+    *lead, V = logits.shape
+    if not kernel_runs(impl, V, platform=platform, one_device=one_device):
+        return xent_reference(logits, targets, scale, l2wrap=l2wrap, grad_dtype=_F32)
+    scale_N = jnp.broadcast_to(scale, targets.shape).reshape(-1)
+    out = xent_pallas(logits.reshape(-1, V), targets.reshape(-1), scale_N, l2wrap=l2wrap,
+                      grad_dtype=grad_dtype, interpret=impl == "interpret")
+    return tuple(a.reshape(*lead, *a.shape[1:]) for a in out)
+
+
+def kernel_runs(impl: str, V: int, *, platform: str | None, one_device: bool) -> bool:
+    """Whether `xent` runs `xent_pallas` for a vocabulary of V logits. "pallas" / "interpret":
+    always, on a device mesh too (a V that does not tile is then `xent_pallas`'s ValueError);
+    "xla" and "auto": `kernel_chosen`'s rule ("auto": on one GPU when `vocab_block(V)` tiles
+    it). An `impl` outside `kernel_choice.IMPLS` is a one-line ValueError."""
+    if impl in ("pallas", "interpret"):
+        return True
+    return kernel_chosen("xent_impl", impl, one_device=one_device, platform=platform,
+                         fits=vocab_block(V) is not None,
+                         kernel="the Pallas cross-entropy (fused_lm_loss's xent_impl)",
+                         needs=f"a vocabulary that is a multiple of {MIN_BLOCK}")
+
+
 def vocab_block(V: int) -> int | None:
     """The largest power of two <= MAX_BLOCK dividing V, or None below MIN_BLOCK (the kernel
-    then does not apply: `xent_pallas` raises, the loss uses the XLA form)."""
+    then does not apply: `xent_pallas` raises, `xent`'s "auto" keeps the XLA form)."""
     block = MAX_BLOCK
     while block >= MIN_BLOCK:
         if V % block == 0:
@@ -62,7 +121,8 @@ def max_argmax_logsumexp(logits_BnV: jax.Array):
     A variadic reduction carries each row's running max, its index and the sum of
     `exp(logit - running max)` (online softmax): it reads the logits once where `argmax` then
     `logsumexp` read them twice (the logits chunk is the largest array the loss touches,
-    `[B, n, V]` float32; measured on an H100: ~1 ms of a 148 ms 0.1B step). The vocabulary is
+    `[B, n, V]` float32; the step time it saves: benchmarks/train_step.py, figures in
+    benchmarks/RESULTS-log.md, "the loss's reductions in one pass"). The vocabulary is
     reduced in two levels (blocks of a power of two near sqrt(V), the last one padded with
     -inf at weight 0, then the blocks' summaries), so no platform folds 65536 terms one after
     another: a sequential fold (XLA on a CPU) loses ~1e-6 of the log-sum-exp, two levels keep
@@ -85,8 +145,8 @@ def max_argmax_logsumexp(logits_BnV: jax.Array):
 
 
 def xent_reference(logits_NV, targets_N, scale_N, *, l2wrap: float | None, grad_dtype):
-    """Plain-JAX statistics and gradient over the last axis (any leading axes `...`: the fused
-    loss's XLA form): `logits [..., V]`, `targets [...]`, `scale` broadcastable to `[...]`.
+    """Plain-JAX statistics and gradient over the last axis (any leading axes `...`: `xent`'s
+    XLA form): `logits [..., V]`, `targets [...]`, `scale` broadcastable to `[...]`.
     Returns `(lse, target, top, top_idx, d_logits)`: float32 `[...]` x 3, int32 `[...]`,
     `[..., V]` in `grad_dtype`. `l2wrap`: L2Wrap's factor or None (no L2Wrap term)."""
     logits = logits_NV.astype(_F32)

@@ -23,10 +23,9 @@ from jax.sharding import PartitionSpec as P
 
 from lwm_jax.hardware import platform_of
 from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS
-from lwm_jax.ops.xent import vocab_block, xent_pallas, xent_reference
+from lwm_jax.ops.xent import xent
 
 L2WRAP_FACTOR = 1e-4
-XENT_IMPLS = ("auto", "xla", "pallas", "interpret")
 
 
 @jax.named_scope("loss")
@@ -98,40 +97,24 @@ def fused_lm_loss(head_fn: Callable, x_BTC: jax.Array, head_params: Any, targets
       use_l2wrap: add L2Wrap's gradient (the loss value is unchanged).
       mesh: the device mesh the step runs on, or None. With B or T split over devices each
         device sums its own tokens' head gradient across the chunks (`_DeviceGroups`).
-      xent_impl: how each chunk's statistics and logits gradient are computed: "xla" (two
-        XLA fusions: a max / argmax / log-sum-exp reduction, then the gradient), "pallas"
-        (`lwm_jax.ops.xent.xent_pallas`: one kernel, the same bytes at a higher bandwidth),
-        "interpret" (that kernel in the Pallas interpreter, for tests) or "auto": "pallas" on
-        one GPU when the vocabulary allows it (`vocab_block`), else "xla".
-      platform: the platform the step is compiled for ("auto" reads it; None: the mesh's
+      xent_impl: the `impl` of `lwm_jax.ops.xent.xent`, which computes each chunk's
+        statistics and logits gradient: "xla", "pallas", "interpret" or "auto" (that op's
+        docstring says which form each runs; a value outside these is its ValueError).
+      platform: the platform the step is compiled for (read by "auto"; None: the mesh's
         devices', or JAX's default devices' without a mesh).
     Returns:
       float32 scalar, the mean cross-entropy in nats (equal to `lm_loss` up to summation order).
     """
-    if xent_impl not in XENT_IMPLS:
-        raise ValueError(f"fused_lm_loss: xent_impl must be one of {XENT_IMPLS}, "
-                         f"got {xent_impl!r}")
-    if xent_impl == "auto" and not ((platform or platform_of(mesh)) == "gpu"
-                                    and (mesh is None or mesh.size == 1)):
-        xent_impl = "xla"        # on one GPU "auto" stays: the kernel where the vocabulary tiles
-    return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
-                  targets_BT)
-
-
-def _kernel_applies(xent_impl: str, vocab: int) -> bool:
-    """Whether a chunk's statistics and gradient come from `xent_pallas`: "pallas" /
-    "interpret" always; "auto" (left standing by `fused_lm_loss` on one GPU only) when the
-    vocabulary tiles (`vocab_block`)."""
-    if xent_impl == "auto":
-        return vocab_block(vocab) is not None
-    return xent_impl in ("pallas", "interpret")
+    platform = platform or platform_of(mesh)
+    return _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, x_BTC,
+                  head_params, targets_BT)
 
 
 def chunked_cross_entropy(head_fn: Callable, x_BTC: jax.Array, head_params: Any,
                           targets_BT: jax.Array, *, chunk_tokens: int, mesh=None) -> jax.Array:
     """Mean cross-entropy (float32, nats) of `head_fn(x, head_params)` computed chunk by chunk
     (as `fused_lm_loss`, without gradients: for evaluation)."""
-    return _fused_forward(head_fn, chunk_tokens, False, mesh, "xla", x_BTC, head_params,
+    return _fused_forward(head_fn, chunk_tokens, False, mesh, "xla", None, x_BTC, head_params,
                           targets_BT, with_grad=False)[0]
 
 
@@ -140,8 +123,10 @@ class _DeviceGroups:
 
     Inside the chunk loop a head gradient summed over a chunk's `B x n` tokens spans every
     device's tokens, so XLA reduced it across devices once per chunk (and, with the head's
-    parameters split over `fsdp`, gathered them once per chunk too): on four H200s with
-    `mesh.fsdp=4` those collectives were 42 of the 45 exposed collective ms of the 0.1B step.
+    parameters split over `fsdp`, gathered them once per chunk too): most of a multi-device
+    step's exposed collective time (measured by tools/device_scaleout.sh with
+    benchmarks/train_step.py; figures in benchmarks/RESULTS-log.md, "the fused loss's
+    per-device accumulators").
     Viewed as `[G, B/Gb, n/Gs, ...]` (G = Gb x Gs: Gb devices along B over `data` x `fsdp`, Gs
     along T over `sequence`; chunk positions are strided, so each device's share of a chunk is
     a contiguous `n/Gs` block), the loop keeps one gradient accumulator per group, each on its
@@ -180,8 +165,8 @@ class _DeviceGroups:
 
 
 @jax.named_scope("loss")
-def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
-                   targets_BT, with_grad=True):
+def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, x_BTC,
+                   head_params, targets_BT, with_grad=True):
     B, T, C = x_BTC.shape
     NC = -(-T // max(1, min(T, chunk_tokens // B)))   # chunks of at most chunk_tokens // B
     n = -(-T // NC)                                    # positions per chunk, evened out:
@@ -195,6 +180,7 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
     by_chunk = lambda a: jnp.moveaxis(a.reshape(a.shape[0], n, NC, *a.shape[2:]), 2, 0)  # noqa
     inv_total = 1.0 / (B * T)
     groups = _DeviceGroups(mesh, B, n, pad)
+    one_device = mesh is None or mesh.size == 1
 
     def chunk(x_BnC, tgt_Bn, valid_n, head_params):
         """One chunk's (loss share, dx, head gradient) at unit scale (see below)."""
@@ -202,19 +188,12 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
         logits_BnV = logits_BnV.astype(jnp.float32)
         weight_Bn = valid_n[None, :] * inv_total
         scale_Bn = jnp.broadcast_to(valid_n[None, :], tgt_Bn.shape)
-        l2wrap_factor = L2WRAP_FACTOR if use_l2wrap else None
-        if with_grad and _kernel_applies(xent_impl, logits_BnV.shape[-1]):
-            # one kernel (`lwm_jax.ops.xent`); the gradient written in the dtype the head's
-            # backward products round the cotangent to (x's: the compute dtype), widened for
-            # the pullback below: the same bits reach the products
-            Bc, nc, V = logits_BnV.shape
-            out = xent_pallas(logits_BnV.reshape(Bc * nc, V), tgt_Bn.reshape(Bc * nc),
-                              scale_Bn.reshape(Bc * nc), l2wrap=l2wrap_factor,
-                              grad_dtype=x_BnC.dtype, interpret=xent_impl == "interpret")
-            lse_Bn, target_Bn, _, _, d_logits = (a.reshape(Bc, nc, *a.shape[1:]) for a in out)
-        else:
-            lse_Bn, target_Bn, _, _, d_logits = xent_reference(
-                logits_BnV, tgt_Bn, scale_Bn, l2wrap=l2wrap_factor, grad_dtype=jnp.float32)
+        # grad_dtype: what the head's backward products round the cotangent to (x's: the
+        # compute dtype); a narrower d_logits is widened for the pullback below, so the same
+        # bits reach the products
+        lse_Bn, target_Bn, _, _, d_logits = xent(
+            logits_BnV, tgt_Bn, scale_Bn, l2wrap=L2WRAP_FACTOR if use_l2wrap else None,
+            grad_dtype=x_BnC.dtype, impl=xent_impl, platform=platform, one_device=one_device)
         loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
         if not with_grad:
             return loss_part, None, None
@@ -262,21 +241,22 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, he
     return loss, (dx_BTC, d_head)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params, targets_BT):
-    return _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _fused(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, x_BTC, head_params,
+           targets_BT):
+    return _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, x_BTC,
                           head_params, targets_BT)[0]
 
 
-def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC, head_params,
-               targets_BT):
-    loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, x_BTC,
-                                 head_params, targets_BT)
+def _fused_fwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, x_BTC,
+               head_params, targets_BT):
+    loss, grads = _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform,
+                                 x_BTC, head_params, targets_BT)
     protos = jax.tree.map(lambda p: jnp.zeros((0,), p.dtype), (x_BTC, head_params))  # dtypes
     return loss, (grads, protos, targets_BT)
 
 
-def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, res, g):
+def _fused_bwd(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform, res, g):
     # the gradients are kept in float32 and scaled by the cotangent (a loss scale under
     # fp16-mixed) before they are cast to their operands' dtypes
     (dx_BTC, d_head), (x_proto, protos), targets_BT = res

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.models.rwkv7 import head_fn
-from lwm_jax.ops.xent import vocab_block, xent_pallas, xent_reference
+from lwm_jax.ops.xent import kernel_runs, vocab_block, xent, xent_pallas, xent_reference
 from lwm_jax.precision import parse_policy
 from lwm_jax.train.loss import fused_lm_loss
 
@@ -89,3 +89,28 @@ def test_fused_loss_same_through_kernel(precision):
         assert np.linalg.norm(a64 - b64) <= 1e-5 * np.linalg.norm(b64)
     with pytest.raises(ValueError, match="xent_impl"):
         fused_lm_loss(fn, x, hp, tgt, chunk_tokens=10, use_l2wrap=True, xent_impl="cuda")
+
+
+def test_op_choice_rule_and_leading_axes():
+    """`xent(impl=)`: "auto" runs the kernel only on one GPU with a vocabulary that tiles,
+    "pallas" / "interpret" run it on a device mesh too; through the kernel, leading axes are
+    kept and `d_logits` comes in `grad_dtype`, through XLA's form in float32."""
+    assert kernel_runs("auto", 65536, platform="gpu", one_device=True)
+    assert not kernel_runs("auto", 32000, platform="gpu", one_device=True)
+    assert not kernel_runs("auto", 65536, platform="gpu", one_device=False)
+    assert not kernel_runs("auto", 65536, platform="cpu", one_device=True)
+    assert kernel_runs("pallas", 65536, platform="cpu", one_device=False)
+    assert not kernel_runs("xla", 65536, platform="gpu", one_device=True)
+    with pytest.raises(ValueError, match="xent_impl"):
+        kernel_runs("cuda", 65536, platform="gpu", one_device=True)
+    x, t, s = _rows(4, 6, 2048)
+    x_BnV, t_Bn, s_Bn = x.reshape(2, 3, 2048), t.reshape(2, 3), s.reshape(2, 3)
+    got = xent(x_BnV, t_Bn, s_Bn, l2wrap=1e-4, grad_dtype=jnp.bfloat16, impl="interpret",
+               one_device=False)
+    ref = xent(x_BnV, t_Bn, s_Bn, l2wrap=1e-4, grad_dtype=jnp.bfloat16, impl="auto",
+               platform="cpu")
+    assert got[4].dtype == jnp.bfloat16 and ref[4].dtype == jnp.float32
+    for a, b in zip(got, ref):
+        assert a.shape == b.shape
+        np.testing.assert_allclose(np.asarray(a, np.float64), np.asarray(b, np.float64),
+                                   rtol=2e-6, atol=4e-3)
