@@ -65,7 +65,9 @@ def describe(plan: Plan, compile_label: str) -> list[str]:
             f"TFLOP/chip at peak {est.compute_s:.3f} s, memory traffic floor "
             f"{est.traffic_bytes_per_chip / 1e9:.1f} GB/chip at {chip.hbm_bytes_per_s / 1e12:.2f}"
             f" TB/s {est.memory_s:.3f} s -> step >= {est.step_s:.3f} s, <= "
-            f"{est.tokens_per_s:,.0f} tokens/s, MFU <= {100 * est.mfu:.1f}%")
+            f"{est.tokens_per_s:,.0f} tokens/s, MFU <= {100 * est.mfu:.1f}% (6 x all "
+            f"parameters; model MFU <= {100 * est.model_mfu:.1f}%: 6 x non-embedding "
+            f"parameters + attention/WKV, {est.model_flops_per_token / 1e9:.3g} GFLOP/token)")
     return lines
 
 

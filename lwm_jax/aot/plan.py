@@ -13,10 +13,13 @@ for a TPU topology) and returns a `Plan`:
 - XLA's cost analysis (FLOPs, bytes accessed per chip). XLA counts a loop body once, so a
   layer scan or the chunked loss make these a fraction of the step's true work; the plan says so;
 - a roofline estimate of the step time: the larger of the step's FLOPs at the chip's peak
-  (`6 x parameters x tokens` as in the trainer's MFU, plus the forward recomputed under remat)
-  and the least memory traffic the compiled step implies at the chip's bandwidth (state read
-  and written, every temporary written and read once). It is an estimate, never a
-  measurement: communication, kernel efficiency and the host are not in it.
+  (`6 x parameters x tokens` as in the trainer's `mfu`, plus the sequence mixer's own FLOPs —
+  attention scores, the WKV recurrence, `lwm_jax.models.flops` — plus the forward recomputed
+  under remat) and the least memory traffic the compiled step implies at the chip's bandwidth
+  (state read and written, every temporary written and read once), with the MFU that step
+  time gives by both counts: `mfu` (6 x all parameters) and `model_mfu` (the field's
+  convention, the trainer's `model_mfu`). It is an estimate, never a measurement:
+  communication, kernel efficiency and the host are not in it.
 
 A step that does not fit is a `ValueError` of one line naming the chip's HBM, the plan and the
 keys that shrink it (`lwm_jax.train.preflight.check_step_fits`).
@@ -33,6 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.hardware import ChipSpec, chip_spec, platform_of
+from lwm_jax.models.flops import WEIGHT_FLOPS, matmul_params
+from lwm_jax.models.registry import get_arch
 from lwm_jax.train import batches
 from lwm_jax.train.checkpoint import abstract_with_shardings
 from lwm_jax.train.config import RunConfig
@@ -60,7 +65,11 @@ class StepPlan:
 
 @dataclasses.dataclass
 class Estimate:
-    """Roofline estimate of one train step (all chips together). Not a measurement."""
+    """Roofline estimate of one train step (all chips together). Not a measurement.
+
+    `mfu`: 6 x all parameters x tokens/s over the chips' peak; `model_mfu`: the same with
+    `model_flops_per_token` (FLOPs per trained token, `lwm_jax.models.flops`) for 6 x
+    parameters."""
 
     step_s: float
     compute_s: float
@@ -69,6 +78,8 @@ class Estimate:
     traffic_bytes_per_chip: float
     tokens_per_s: float
     mfu: float
+    model_mfu: float
+    model_flops_per_token: float
 
 
 @dataclasses.dataclass
@@ -168,17 +179,22 @@ def _estimate(cfg: RunConfig, n_params: int, n_devices: int, chip: ChipSpec | No
         return None
     t, rt = cfg.train, cfg.runtime
     tokens = t.batch_size * t.ctx_len
-    model_flops = 6.0 * n_params * tokens
+    per_token = get_arch(cfg.arch).model_flops_per_token(cfg.model, t.ctx_len)
+    mixer_per_token = per_token - WEIGHT_FLOPS * matmul_params(cfg.model)
+    all_params_flops = 6.0 * n_params * tokens               # what `mfu` counts
     remat_share = (sum(rt.rematerialized(i) for i in range(cfg.model.n_layer))
                    / max(1, cfg.model.n_layer)) if rt.remat and rt.remat_policy == "full" else 0
-    hw_flops_chip = model_flops * (1 + remat_share / 3) / n_devices
+    executed = all_params_flops + float(mixer_per_token) * tokens
+    hw_flops_chip = executed * (1 + remat_share / 3) / n_devices
     mem = train.memory
     traffic = mem["arguments"] + mem["outputs"] + 2 * mem["temp"]
     compute_s = hw_flops_chip / chip.peak_flops
     memory_s = traffic / chip.hbm_bytes_per_s
     step_s = max(compute_s, memory_s)
+    capacity = step_s * chip.peak_flops * n_devices        # FLOPs the chips could do in a step
     return Estimate(step_s, compute_s, memory_s, hw_flops_chip, float(traffic), tokens / step_s,
-                    model_flops / (step_s * chip.peak_flops * n_devices))
+                    all_params_flops / capacity, float(per_token) * tokens / capacity,
+                    float(per_token))
 
 
 def compile_plan(cfg: RunConfig, devices: list, *, target: str | None = None,

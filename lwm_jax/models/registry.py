@@ -7,6 +7,10 @@ build and run a model without knowing which family it is.
 | `llama` | `lwm_jax.models.llama.config.LlamaConfig` | `Llama`     | `head_fn(policy, rms_eps)` |
 | `rwkv7-hybrid` | `lwm_jax.models.hybrid.config.HybridConfig` | `RWKVHybrid` | `head_fn(policy)` |
 
+Each family also names its model-FLOPs count (`Arch.model_flops_per_token`, the functions of
+`lwm_jax.models.flops`: `rwkv7_flops_per_token`, `llama_flops_per_token`,
+`hybrid_flops_per_token`).
+
 Every model class takes `(cfg, policy, *, runtime=None, mesh=None, rngs)` and offers
 `__call__(tokens_BT, state=None, return_state=False, segment_ids=None, probe=None)`,
 `features`, `head_params`, `param_count` and `init_state`. A run config names its family with
@@ -22,13 +26,21 @@ from typing import Any, Callable
 
 @dataclasses.dataclass(frozen=True)
 class Arch:
-    """One family: where its config and model live (module paths, class names)."""
+    """One family: where its config and model live (module paths, class names), and the name
+    of its model-FLOPs function in `lwm_jax.models.flops`."""
 
     name: str
     config_module: str
     config_name: str
     model_module: str
     model_name: str
+    flops_name: str
+
+    def model_flops_per_token(self, cfg: Any, ctx_len: int) -> int:
+        """Model FLOPs per trained token (forward + backward) of `cfg` at context `ctx_len`,
+        by the field's MFU convention: `lwm_jax.models.flops.<flops_name>(cfg, ctx_len)`."""
+        flops = importlib.import_module("lwm_jax.models.flops")
+        return getattr(flops, self.flops_name)(cfg, ctx_len)
 
     @property
     def config_cls(self) -> type:
@@ -54,11 +66,12 @@ class Arch:
 
 ARCHS: dict[str, Arch] = {
     "rwkv7": Arch("rwkv7", "lwm_jax.models.rwkv7.config", "ModelConfig",
-                  "lwm_jax.models.rwkv7.model", "RWKV7"),
+                  "lwm_jax.models.rwkv7.model", "RWKV7", "rwkv7_flops_per_token"),
     "llama": Arch("llama", "lwm_jax.models.llama.config", "LlamaConfig",
-                  "lwm_jax.models.llama.model", "Llama"),
+                  "lwm_jax.models.llama.model", "Llama", "llama_flops_per_token"),
     "rwkv7-hybrid": Arch("rwkv7-hybrid", "lwm_jax.models.hybrid.config", "HybridConfig",
-                         "lwm_jax.models.hybrid.model", "RWKVHybrid"),
+                         "lwm_jax.models.hybrid.model", "RWKVHybrid",
+                         "hybrid_flops_per_token"),
 }
 DEFAULT_ARCH = "rwkv7"
 

@@ -1,16 +1,24 @@
 """Training metrics: the records every tracker gets (`lwm_jax.train.trackers`: metrics.jsonl,
 TensorBoard, Weights & Biases), a tqdm bar, and a loss-curve PNG at the end.
 
-Throughput accounting (MaxText-style): `tokens_per_s` is measured over the steps since the
-previous record (wall clock, data loading included). Model FLOPs per token are `6 * n_params`
-(forward + backward of the matmuls; the WKV recurrence and attention-free mixing are not
-counted), so `tflops = 6 * n_params * tokens_per_s / 1e12` summed over all devices, and
-`mfu = tflops * 1e12 / (peak_flops_per_device * n_devices)`; `mfu` is null on devices with no
-entry in `lwm_jax.hardware.CHIPS` (CPUs).
+Throughput accounting: `tokens_per_s` is measured over the steps since the previous record
+(wall clock, data loading included). Two FLOP counts, both summed over all devices:
+- `tflops` / `mfu`: 6 x all parameters, `tflops = 6 * n_params * tokens_per_s / 1e12` (the
+  embedding table included; the WKV recurrence and attention scores not counted), kept as
+  this project always reported it;
+- `model_tflops` / `model_mfu`: the field's convention (MaxText, RWKV-LM, PaLM appendix B),
+  `model_flops_per_token * tokens_per_s / 1e12` with `model_flops_per_token` from
+  `lwm_jax.models.flops`: 6 x the parameters other than the input embedding (the LM head
+  counted once, tied or not) plus 3 x the sequence mixer's own forward FLOPs (causal attention
+  `2 * T * n_heads * d_head`, RWKV-7's WKV `9 * C * head_size`, per token and layer).
+`mfu = tflops * 1e12 / (peak_flops_per_device * n_devices)` and likewise `model_mfu`; both are
+null on devices with no entry in `lwm_jax.hardware.CHIPS` (CPUs), and `model_*` are null when
+the logger was given no `model_flops_per_token`.
 
 Record formats (metrics.jsonl: one strict-JSON object per line; non-finite numbers are null):
   train:  {"step", "loss" (this step's), "loss_mean" (mean of the finite losses of the steps
-           since the previous train record), "lr", "grad_norm", "tokens_per_s", "tflops", "mfu",
+           since the previous train record), "lr", "grad_norm", "tokens_per_s", "tflops", "mfu"
+           (6 x all parameters), "model_tflops", "model_mfu" (the convention above),
            "elapsed_s", "skipped_steps" (steps so far whose update was skipped: non-finite loss
            or gradient) [, "loss_scale" with fp16 loss scaling]}
   eval:   {"step", "val_loss"}
@@ -59,7 +67,10 @@ class MetricsLogger:
 
     Args:
       run_dir: the run directory (trackers write under it; `loss_curve.png` too).
-      n_params: parameter count (for FLOP/s).
+      n_params: parameter count, all of them (for `tflops` / `mfu`: 6 x n_params per token).
+      model_flops_per_token: model FLOPs per trained token by the field's convention
+        (`lwm_jax.models.registry.Arch.model_flops_per_token`), for `model_tflops` /
+        `model_mfu`; None leaves those null.
       tokens_per_step: batch_size * ctx_len (global).
       total_steps / start_step: for the progress bar (start_step > 0 on resume).
       progress: show a tqdm bar (stderr).
@@ -72,7 +83,8 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str, *, n_params: int, tokens_per_step: int, total_steps: int,
                  start_step: int = 0, progress: bool = True, fp16: bool = False,
-                 write: bool = True, trackers: Sequence[Tracker] | None = None):
+                 write: bool = True, trackers: Sequence[Tracker] | None = None,
+                 model_flops_per_token: float | None = None):
         from tqdm.auto import tqdm
         self.run_dir, self._echo = run_dir, write
         if trackers is None and write:
@@ -81,6 +93,7 @@ class MetricsLogger:
         jsonl = [t for t in self._trackers if isinstance(t, JsonlTracker)]
         self.path = jsonl[0].path if jsonl else None     # metrics.jsonl, or None without one
         self.n_params, self.tokens_per_step, self.fp16 = n_params, tokens_per_step, fp16
+        self.model_flops_per_token = model_flops_per_token
         self.n_devices = jax.device_count()
         self.peak = peak_flops_per_device()
         # A bar redraws one line with carriage returns: on a terminal. Anywhere else (nohup,
@@ -127,12 +140,13 @@ class MetricsLogger:
         steps = step - self._mark_step
         tok_s = steps * self.tokens_per_step / (now - self._mark_time) if steps > 0 else None
         self._mark_time, self._mark_step = now, step
-        tflops = 6 * self.n_params * tok_s / 1e12 if tok_s else None
-        mfu = (tflops * 1e12 / (self.peak * self.n_devices)
-               if tflops is not None and self.peak else None)
+        tflops = self._tflops(6 * self.n_params, tok_s)
+        model_tflops = self._tflops(self.model_flops_per_token, tok_s)
         rec = {"step": step, "loss": m["loss"], "loss_mean": loss_mean, "lr": m["lr"],
-               "grad_norm": m["grad_norm"], "tokens_per_s": tok_s, "tflops": tflops, "mfu": mfu,
-               "elapsed_s": now - self._t0, "skipped_steps": int(m["skipped_steps"])}
+               "grad_norm": m["grad_norm"], "tokens_per_s": tok_s, "tflops": tflops,
+               "mfu": self._utilization(tflops), "model_tflops": model_tflops,
+               "model_mfu": self._utilization(model_tflops), "elapsed_s": now - self._t0,
+               "skipped_steps": int(m["skipped_steps"])}
         if self.fp16:
             rec.update(loss_scale=m["loss_scale"])
         self._write(rec, "train")
@@ -142,10 +156,23 @@ class MetricsLogger:
         self._bar.set_postfix(post, refresh=False)
         if self._lines:
             rate = f", {tok_s:,.0f} tokens/s" if tok_s else ""
-            use = f", MFU {100 * mfu:.1f}%" if mfu else ""
+            use = _mfu_text(rec["mfu"], rec["model_mfu"])
             self._bar.write(f"step {step}: loss {m['loss']:.4f}, lr {m['lr']:.3g}, grad norm "
                             f"{m['grad_norm']:.3g}{rate}{use}")
         return rec
+
+    @staticmethod
+    def _tflops(flops_per_token: float | None, tok_s: float | None) -> float | None:
+        """TFLOP/s (1e12 FLOP/s, all devices) of `flops_per_token` at `tok_s` tokens/s."""
+        if flops_per_token is None or not tok_s:
+            return None
+        return flops_per_token * tok_s / 1e12
+
+    def _utilization(self, tflops: float | None) -> float | None:
+        """`tflops` as a fraction of the devices' summed peak (None when either is unknown)."""
+        if tflops is None or not self.peak:
+            return None
+        return tflops * 1e12 / (self.peak * self.n_devices)
 
     def log_eval(self, step: int, val_loss: float) -> None:
         self._write({"step": step, "val_loss": float(val_loss)}, "eval")
@@ -162,6 +189,14 @@ class MetricsLogger:
         trackers, self._trackers = self._trackers, []
         for tracker in trackers:
             tracker.close()
+
+
+def _mfu_text(mfu: float | None, model_mfu: float | None) -> str:
+    """", MFU 28.1% (model 24.0%)" for a step line; "" with no MFU."""
+    if not mfu:
+        return ""
+    model = f" (model {100 * model_mfu:.1f}%)" if model_mfu is not None else ""
+    return f", MFU {100 * mfu:.1f}%{model}"
 
 
 def _loss_ok(value: Any) -> bool:

@@ -265,9 +265,11 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     trackers = (make_trackers(lg.trackers, run_dir, run_name=cfg.name,
                               wandb_project=lg.wandb_project, wandb_entity=lg.wandb_entity)
                 if primary else [])
+    model_flops = get_arch(cfg.arch).model_flops_per_token(cfg.model, t.ctx_len)
     logger = MetricsLogger(run_dir, n_params=n_params, tokens_per_step=t.batch_size * t.ctx_len,
                            total_steps=t.steps, start_step=start, progress=progress,
-                           fp16=policy.loss_scale == "dynamic", write=primary, trackers=trackers)
+                           fp16=policy.loss_scale == "dynamic", write=primary, trackers=trackers,
+                           model_flops_per_token=model_flops)
     logger.log_config(start, cfg.to_dict())
     profiler = StepWindowProfiler(t.profile_steps, os.path.join(run_dir, PROFILE_DIR),
                                   enabled=primary)
