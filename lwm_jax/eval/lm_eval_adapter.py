@@ -97,21 +97,42 @@ def _plain(loader, _suffix, node):
 _TagKeepingLoader.add_multi_constructor("", _plain)
 
 
-def _code_tag(root) -> str | None:
-    """The first code-running tag (`_CODE_TAGS`) in a composed YAML node graph, walked without
-    recursion (shared alias nodes once each), or None."""
+def _each_once(root, children) -> Iterator:
+    """Every node reachable from `root` through `children(node)`, depth first, each once (nodes
+    shared through YAML aliases are not walked again), without recursion: how deep a task file
+    nests is up to whoever wrote it."""
     stack, seen = [root], set()
     while stack:
         node = stack.pop()
         if id(node) in seen:
             continue
         seen.add(id(node))
+        yield node
+        stack.extend(children(node))
+
+
+def _node_children(node):
+    """The key and value nodes of a composed YAML mapping node, or the items of a sequence node,
+    in the order that pops them first to last."""
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in reversed(node.value) for n in reversed(pair)]
+    if isinstance(node, yaml.SequenceNode):
+        return reversed(node.value)
+    return ()
+
+
+def _data_children(node):
+    """The values of a parsed YAML mapping, or the items of a list."""
+    if isinstance(node, dict):
+        return node.values()
+    return node if isinstance(node, list) else ()
+
+
+def _code_tag(root) -> str | None:
+    """The first code-running tag (`_CODE_TAGS`) in a composed YAML node graph, or None."""
+    for node in _each_once(root, _node_children):
         if node.tag.startswith(_CODE_TAGS):
             return node.tag
-        if isinstance(node, yaml.MappingNode):
-            stack.extend(n for pair in reversed(node.value) for n in reversed(pair))
-        elif isinstance(node, yaml.SequenceNode):
-            stack.extend(reversed(node.value))
     return None
 
 
@@ -131,29 +152,20 @@ def _metric_code(data) -> str | None:
     unregistered metric name, or `hf_evaluate: true`), or None. Every `metric_list` anywhere in
     the document is checked (a group may define its tasks inline)."""
     known = None
-    stack, seen = [data], set()
-    while stack:
-        node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if isinstance(node, dict):
-            metrics = node.get("metric_list")
-            for entry in metrics if isinstance(metrics, list) else ():
-                if not isinstance(entry, dict):
-                    continue
-                name = entry.get("metric")
-                if entry.get("hf_evaluate") is True:
-                    return (f"metric {str(name)[:80]!r} has hf_evaluate: true, which loads "
-                            "Python through Hugging Face evaluate")
-                if isinstance(name, str):
-                    known = _registered_metrics() if known is None else known
-                    if name not in known:
-                        return (f"metric {name[:80]!r} is not one lm-eval registers, so lm-eval "
-                                "would load it as Python through Hugging Face evaluate")
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
+    for node in _each_once(data, _data_children):
+        metrics = node.get("metric_list") if isinstance(node, dict) else None
+        for entry in metrics if isinstance(metrics, list) else ():
+            if not isinstance(entry, dict):
+                continue
+            name = entry.get("metric")
+            if entry.get("hf_evaluate") is True:
+                return (f"metric {str(name)[:80]!r} has hf_evaluate: true, which loads "
+                        "Python through Hugging Face evaluate")
+            if isinstance(name, str):
+                known = _registered_metrics() if known is None else known
+                if name not in known:
+                    return (f"metric {name[:80]!r} is not one lm-eval registers, so lm-eval "
+                            "would load it as Python through Hugging Face evaluate")
     return None
 
 

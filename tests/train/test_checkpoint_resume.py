@@ -11,7 +11,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.data import write_binidx
 from lwm_jax.precision.loss_scale import DynamicLossScale
 from lwm_jax.train.checkpoint import Checkpointer, abstract_with_shardings
 from lwm_jax.train.config import CheckpointSection, load_config
@@ -19,26 +18,13 @@ from lwm_jax.train.metrics import read_metrics
 from lwm_jax.train.optimizer import scale_by_adam_f32
 from lwm_jax.train.step import TrainState
 from lwm_jax.train.trainer import train
-from lwm_jax.train.compile_cache import enable_compilation_cache
 
 SMALL = ["model.n_layer=2", "model.n_embd=64", "train.ctx_len=32", "train.batch_size=4",
          "train.log_every=1", "train.eval_every=0", "train.warmup_steps=3", "train.lr=1e-3",
          "train.min_lr=1e-4"]
+DATA_DOCS = (20, 1000)       # the `data_prefix` fixture (conftest.py): 20 random documents
 
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """Runs of one config compile the same programs: share them through JAX's disk cache."""
-    return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile"))
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("data") / "rand")
-    rng = np.random.default_rng(0)
-    write_binidx(prefix, [rng.integers(1, 256, 1000) for _ in range(20)], np.uint16,
-                 append_eod=True)
-    return prefix
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 def _steps_on_disk(ckpt_dir):

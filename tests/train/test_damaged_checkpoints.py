@@ -8,13 +8,10 @@ import os
 import shutil
 
 import jax
-import numpy as np
 import pytest
 
 from lwm_jax.cli import main
-from lwm_jax.data import write_binidx
 from lwm_jax.train.checkpoint import Checkpointer
-from lwm_jax.train.compile_cache import enable_compilation_cache
 from lwm_jax.train.config import CheckpointSection, load_config
 from lwm_jax.train.metrics import read_metrics
 from lwm_jax.train.trainer import train
@@ -32,20 +29,9 @@ CORRUPTIONS = {"truncated": lambda name, data: data[: len(data) // 2],
                "wrong-type": lambda name, data: WRONG_TYPE[name]}
 FILES = ["_CHECKPOINT_METADATA", "data/metadata", "state/_METADATA", "state/_sharding",
          "state/array_metadatas/process_0", "state/manifest.ocdbt"]
+DATA_DOCS = (10, 400)        # the `data_prefix` fixture (conftest.py): 10 random documents
 
-
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile"))
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("data") / "rand")
-    rng = np.random.default_rng(0)
-    write_binidx(prefix, [rng.integers(1, 256, 400) for _ in range(10)], np.uint16,
-                 append_eod=True)
-    return prefix
+pytestmark = pytest.mark.usefixtures("compile_cache")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from lwm_jax.data import write_binidx
 from lwm_jax.models.llama import Llama, LlamaConfig, RopeScaling
-from lwm_jax.train.compile_cache import enable_compilation_cache
 from lwm_jax.train.config import build_config, load_config
 from lwm_jax.train.metrics import read_metrics
 from lwm_jax.train.trainer import _check_same_model, build_program, train
@@ -22,20 +20,14 @@ SMALL = ["model.n_layer=2", "model.n_embd=64", "model.n_head=2", "model.n_kv_hea
          "train.min_lr=3e-3", "train.steps=12", "checkpoint.every=6", "train.loss_chunk=64"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def compile_cache(tmp_path_factory):
-    """The three runs below compile the same programs: share them through JAX's disk cache."""
-    return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile"))
-
-
-@pytest.fixture(scope="module")
-def data_prefix(tmp_path_factory):
+def _motif_docs(rng):
     """Documents that repeat a short motif over 16 symbols: learnable within a few steps."""
-    prefix = str(tmp_path_factory.mktemp("data") / "motifs")
-    rng = np.random.default_rng(0)
-    docs = [np.tile(rng.integers(1, 17, rng.integers(3, 7)), 60)[:300] for _ in range(24)]
-    write_binidx(prefix, docs, np.uint16, append_eod=True)
-    return prefix
+    return [np.tile(rng.integers(1, 17, rng.integers(3, 7)), 60)[:300] for _ in range(24)]
+
+
+DATA_DOCS = _motif_docs      # the `data_prefix` fixture (conftest.py)
+
+pytestmark = pytest.mark.usefixtures("compile_cache")    # the three runs below share programs
 
 
 def test_llama_config_parses_and_builds_the_llama_model():

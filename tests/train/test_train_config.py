@@ -10,21 +10,12 @@ import yaml
 from lwm_jax.runtime import Runtime
 from lwm_jax.cli import main
 from lwm_jax.models.rwkv7.config import ModelConfig
-from lwm_jax.data import write_binidx
 from lwm_jax.train.config import (MeshSection, RunConfig, build_config, check_against_mesh,
                                   load_config, mesh_shape)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CONFIGS = sorted(glob.glob(os.path.join(REPO, "configs", "*.yaml")))
-
-
-@pytest.fixture(scope="module")
-def binidx_prefix(tmp_path_factory):
-    prefix = str(tmp_path_factory.mktemp("data") / "toy")
-    rng = np.random.default_rng(0)
-    write_binidx(prefix, [rng.integers(1, 256, 300) for _ in range(4)], np.uint16,
-                 append_eod=True)
-    return prefix
+DATA_DOCS = (4, 300)         # the `data_prefix` fixture (conftest.py): 4 random documents
 
 
 def test_builtin_defaults_equal_configs_tiny_yaml():
@@ -32,7 +23,7 @@ def test_builtin_defaults_equal_configs_tiny_yaml():
     assert load_config(None) == RunConfig()
 
 
-def test_every_shipped_config_loads(binidx_prefix):
+def test_every_shipped_config_loads(data_prefix):
     expected = {  # name: (L, C, V, resolved lora sizes decay/a/v/gate)
         "tiny": (4, 256, 256, None),
         "rwkv7-0.1b": (12, 768, 65536, (64, 64, 32, 128)),
@@ -48,7 +39,7 @@ def test_every_shipped_config_loads(binidx_prefix):
     for path in CONFIGS:
         with open(path) as f:
             raw = yaml.safe_load(f)
-        overrides = [f"data.path={binidx_prefix}"] if raw.get("data", {}).get("path") else []
+        overrides = [f"data.path={data_prefix}"] if raw.get("data", {}).get("path") else []
         cfg = load_config(path, overrides)
         L, C, V, lora = expected[cfg.name]
         m = cfg.model.resolved()
@@ -60,7 +51,7 @@ def test_every_shipped_config_loads(binidx_prefix):
             assert (t.lr, t.min_lr, cfg.precision) == (6e-4, 6e-5, "bf16-mixed")
             assert t.ctx_len in (512, 4096) and cfg.data.tokenizer == "world"
     assert load_config(os.path.join(REPO, "configs", "rwkv7-0.1b.yaml"),
-                       [f"data.path={binidx_prefix}"]).model.param_count() == 191_084_544
+                       [f"data.path={data_prefix}"]).model.param_count() == 191_084_544
 
 
 def test_overrides_are_typed_yaml_values():
@@ -77,8 +68,8 @@ def test_overrides_are_typed_yaml_values():
         load_config(None, ["name=[__import__]"])
 
 
-def test_yaml_round_trip(tmp_path, binidx_prefix):
-    cfg = load_config(None, ["train.lr=1e-3", f"data.path={binidx_prefix}", "name=rt"])
+def test_yaml_round_trip(tmp_path, data_prefix):
+    cfg = load_config(None, ["train.lr=1e-3", f"data.path={data_prefix}", "name=rt"])
     path = tmp_path / "c.yaml"
     path.write_text(cfg.to_yaml())
     assert load_config(str(path)) == cfg
