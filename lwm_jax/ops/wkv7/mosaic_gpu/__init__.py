@@ -1,0 +1,31 @@
+"""WKV7 forward on Pallas Mosaic GPU (Hopper, sm_90a: wgmma + TMA). Forward only.
+
+    from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd
+    o, final_state = wkv7_mosaic_fwd(r, w, k, v, a, b, initial_state=None)
+
+Needs jax >= 0.11 (its `jax.experimental.pallas.mosaic_gpu` API); on older jax importing this
+package raises an ImportError that says so. Nothing else in `lwm_jax` imports it yet.
+See `fwd.py` for the design, shapes and precision.
+"""
+from __future__ import annotations
+
+import jax
+
+_MIN_JAX = (0, 11)
+
+
+def _jax_version() -> tuple[int, ...]:
+    parts = []
+    for piece in jax.__version__.split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+if _jax_version() < _MIN_JAX:
+    raise ImportError(f"lwm_jax.ops.wkv7.mosaic_gpu needs jax >= 0.11 (Pallas Mosaic GPU API), "
+                      f"found jax {jax.__version__}")
+
+from lwm_jax.ops.wkv7.mosaic_gpu.fwd import CHUNK, wkv7_mosaic_fwd  # noqa: E402
+
+__all__ = ["CHUNK", "wkv7_mosaic_fwd"]
