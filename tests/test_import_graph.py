@@ -128,6 +128,7 @@ def test_the_forbidden_arrow_check_sees_an_arrow():
 
 
 @pytest.mark.parametrize("kernel_pkg", ["lwm_jax.ops.wkv7.pallas_gpu",
+                                        "lwm_jax.ops.wkv7.mosaic_gpu",
                                         "lwm_jax.ops.wkv7.pallas_tpu"])
 def test_kernels_import_only_the_leaf_contract(kernel_pkg):
     bad = {m: sorted(d - LEAVES) for m, d in GRAPH.items() if m.startswith(kernel_pkg)
