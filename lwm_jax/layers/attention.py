@@ -40,7 +40,7 @@ import jax.numpy as jnp
 
 from lwm_jax.hardware import platform_of
 from lwm_jax.layers.attention_tpu import splash_self_attention_sharded, splash_supported
-from lwm_jax.layers.layout import SEQUENCE_AXIS
+from lwm_jax.mesh_axes import SEQUENCE_AXIS
 
 
 @jax.tree_util.register_dataclass

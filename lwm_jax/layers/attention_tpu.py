@@ -46,7 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lwm_jax.layers.layout import BATCH_AXES
+from lwm_jax.mesh_axes import BATCH_AXES
 
 MIN_BLOCK = 128
 _BLOCKS = (512, 256, 128)

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS, activation_spec
+from lwm_jax.mesh_axes import BATCH_AXES, SEQUENCE_AXIS, activation_spec
 
 GATHER_SCOPE = "embedding_grad_gather"    # names the backward's gathers in HLO metadata
 

@@ -1,8 +1,8 @@
 """The activations' layout on a device mesh, and pinning a tensor to it.
 
-Every `[B, T, ...]` activation of a train step is split the same way: B over the mesh axes
-`data` and `fsdp` together, T over `sequence`, any trailing dim whole. Layers and models state it
-here (they cannot import `lwm_jax.train`); `lwm_jax.train.sharding` builds its shardings from it.
+Every `[B, T, ...]` activation of a train step is split the same way (`lwm_jax.mesh_axes`: B
+over `data` and `fsdp` together, T over `sequence`); `pin_activation` holds a layer's output to
+that layout.
 
 Why pin: with parameters split over `fsdp` (ZeRO-3) a matmul `x[B/f, T, C] @ W[C/f, F]` can be
 partitioned two ways, and XLA's sharding propagation does not always take the cheap one (gather
@@ -19,15 +19,8 @@ import math
 
 import jax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
-BATCH_AXES = ("data", "fsdp")     # mesh axes splitting B
-SEQUENCE_AXIS = "sequence"        # mesh axis splitting T
-
-
-def activation_spec(ndim: int = 2) -> P:
-    """PartitionSpec of an activation of rank `ndim` (>= 2) whose first two dims are [B, T]."""
-    return P(BATCH_AXES, SEQUENCE_AXIS, *(None,) * (ndim - 2))
+from lwm_jax.mesh_axes import BATCH_AXES, SEQUENCE_AXIS, activation_spec
 
 
 def pin_activation(x, mesh):

@@ -1,13 +1,14 @@
 """Per-group GroupNorm with float32 statistics (RWKV-7's `ln_x`): the op `group_norm` and its
 forms.
 
-`group_norm(x, weight, bias, *, n_groups, eps, out_dtype, impl, platform, one_device)` runs:
+`group_norm(x, weight, bias, *, n_groups, eps, out_dtype, impl, platform, mesh)` runs:
 
     "xla"                  `group_norm_xla`: plain JAX, autodiff for the backward
     "pallas" / "interpret" `group_norm_fused`: the same forward (bit for bit; XLA fuses it with
                            its neighbours) and the Pallas-Triton backward below
                            (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
-    "auto"                 the kernel on one GPU when the shape fits it (`kernel_applies`)
+    "auto"                 the kernel on GPUs when each device's share fits it
+                           (`kernel_applies`; per device on a mesh that splits tokens only)
 
 (`impl` is `Runtime.ln_x_impl` in RWKV-7's TimeMix; the rule is `kernel_choice.kernel_chosen`.)
 Statistics are float32 whatever the input dtype, as in `lwm_jax.ops.layer_norm`.
@@ -38,14 +39,14 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen
+from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
 
 _F32 = jnp.float32
 MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
 
 
 def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = None,
-               impl: str = "xla", platform: str | None = None, one_device: bool = True):
+               impl: str = "xla", platform: str | None = None, mesh=None):
     """GroupNorm over contiguous channel groups of the last axis, float32 statistics.
 
     RWKV-7's `ln_x`: `n_groups = H` heads, each of `N = C / H` channels, `eps = N * 1e-5`.
@@ -57,18 +58,23 @@ def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = N
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      one_device: False on a device mesh: "auto" keeps XLA's backward there and "pallas" is
-        an error (the kernel has no sharding rule).
+      mesh: the device mesh x (`[B, T, C]` there) is split over as the activations are (None:
+        one device). The kernel runs per device when the mesh splits tokens only; otherwise
+        "auto" keeps XLA's backward and "pallas" is an error.
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
-    if kernel_chosen("ln_x_impl", impl, one_device=one_device, platform=platform,
-                     fits=kernel_applies(x.shape, n_groups),
+    M = per_device_tokens(mesh, x.shape)
+    if kernel_chosen("ln_x_impl", impl, per_device=M is not None, platform=platform,
+                     fits=M is not None and kernel_applies((M, x.shape[-1]), n_groups),
                      kernel="the Pallas GroupNorm backward",
                      needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
                            f"(got {x.shape} in {n_groups} groups)"):
         out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
-        return group_norm_fused(x, weight, bias, n_groups, eps, out_dtype, impl == "interpret")
+        interpret = impl == "interpret"
+        return on_each_device(
+            lambda x, w, b: group_norm_fused(x, w, b, n_groups, eps, out_dtype, interpret), mesh,
+            x, weight, bias)
     return group_norm_xla(x, weight, bias, n_groups=n_groups, eps=eps, out_dtype=out_dtype)
 
 

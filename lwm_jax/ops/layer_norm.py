@@ -1,14 +1,16 @@
 """LayerNorm over the last axis with float32 statistics: the op `layer_norm` and its forms.
 
-`layer_norm(x, weight, bias, *, eps, out_dtype, impl, platform, one_device)` runs one of:
+`layer_norm(x, weight, bias, *, eps, out_dtype, impl, platform, mesh)` runs one of:
 
     "xla"                  `layer_norm_xla`: plain JAX, autodiff for the backward
     "pallas" / "interpret" `layer_norm_fused`: the Pallas-Triton kernels below, forward and
                            backward (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
-    "auto"                 the kernels on one GPU under a bf16 output when tokens and channels
-                           tile (`kernel_applies`) and C >= `AUTO_MIN_CHANNELS`, else XLA's
+    "auto"                 the kernels on GPUs under a bf16 output when each device's tokens
+                           and the channels tile (`kernel_applies`) and C >= `AUTO_MIN_CHANNELS`,
+                           else XLA's
 
-(`impl` is `Runtime.norm_impl` in RWKV-7's blocks; the rule is `kernel_choice.kernel_chosen`.)
+(`impl` is `Runtime.norm_impl` in RWKV-7's blocks; the rule is `kernel_choice.kernel_chosen`;
+on a device mesh the kernels run per device, `kernel_choice.on_each_device`.)
 
 Statistics are always float32: the input is upcast, the mean and the (two-pass) variance are
 taken in float32, the weight and bias are applied in float32, and only the result is cast to
@@ -48,7 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen
+from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
 
 _F32 = jnp.float32
 LN_EPS = 1e-5     # RWKV-7's LayerNorm epsilon
@@ -59,32 +61,36 @@ AUTO_MIN_CHANNELS = 2048       # narrowest C where the kernels measured faster i
 
 
 def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
-               impl: str = "xla", platform: str | None = None, one_device: bool = True):
+               impl: str = "xla", platform: str | None = None, mesh=None):
     """LayerNorm over the last axis with float32 statistics, as `impl` says.
 
     Args:
-      x: `[..., C]` any float dtype.
+      x: `[..., C]` any float dtype (`[B, T, C]` on a device mesh).
       weight, bias: `[C]` (any float dtype; applied in float32).
       eps: added to the variance (RWKV-7: 1e-5).
       out_dtype: dtype of the result (default: `x.dtype`).
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      one_device: False on a device mesh: "auto" keeps XLA's form there and "pallas" is an
-        error (the kernels have no sharding rule).
+      mesh: the device mesh x is split over as the activations are (None: one device). The
+        kernels run per device when the mesh splits tokens only; otherwise "auto" keeps
+        XLA's form and "pallas" is an error.
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
     out_dtype = jnp.dtype(x.dtype if out_dtype is None else out_dtype)
     C = x.shape[-1]
-    M = int(np.prod(x.shape[:-1]))
+    M = per_device_tokens(mesh, x.shape)
     if kernel_chosen(
-            "norm_impl", impl, one_device=one_device, platform=platform,
-            fits=out_dtype == jnp.bfloat16 and kernel_applies(M, C),
+            "norm_impl", impl, per_device=M is not None, platform=platform,
+            fits=out_dtype == jnp.bfloat16 and M is not None and kernel_applies(M, C),
             pays=C >= AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
             needs=f"a bf16 compute dtype and tokens x channels {M} x {C} in multiples of the "
                   "kernel's blocks (ops.layer_norm.kernel_applies)"):
-        return layer_norm_fused(x, weight, bias, eps, out_dtype, impl == "interpret")
+        interpret = impl == "interpret"
+        return on_each_device(
+            lambda x, w, b: layer_norm_fused(x, w, b, eps, out_dtype, interpret), mesh, x, weight,
+            bias)
     return layer_norm_xla(x, weight, bias, eps=eps, out_dtype=out_dtype)
 
 

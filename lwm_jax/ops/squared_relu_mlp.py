@@ -1,7 +1,7 @@
 """The squared-ReLU MLP `relu(x W_key)² W_value` (RWKV-7's ChannelMix): the op
 `squared_relu_mlp` and its forms.
 
-`squared_relu_mlp(x, key, value, *, policy, impl, platform, one_device, probe)` runs:
+`squared_relu_mlp(x, key, value, *, policy, impl, platform, mesh, probe)` runs:
 
     "xla"                  `Policy.einsum` products with `squared_relu` between them (under a
                            float16 compute dtype from a power-of-two-scaled copy, below)
@@ -11,8 +11,9 @@
                            pre-activation's gradient `dh * 2 sqrt(h)`
                            (`relu2_matmul_grad_pallas`): one pass over the `[M, F]` hidden
                            layer fewer each way ("interpret": in the Pallas interpreter)
-    "auto"                 the kernels on one GPU under a bf16 compute dtype when the shapes
-                           tile (`kernel_applies`) and no probe is given, else XLA's form
+    "auto"                 the kernels on GPUs under a bf16 compute dtype when each device's
+                           shapes tile (`kernel_applies`; per device on a mesh that splits
+                           tokens only) and no probe is given, else XLA's form
 
 (`impl` is `Runtime.ffn_impl`; the rule is `kernel_choice.kernel_chosen`.) On the kernel path
 the value product and the weight-gradient products stay XLA GEMMs; operands are cast to the
@@ -53,7 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen
+from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 BM, BN, BK = 128, 256, 64    # output tile rows / columns, K step
@@ -63,7 +64,7 @@ _F32 = jnp.float32
 
 
 def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
-                     platform: str | None = None, one_device: bool = True, probe=None):
+                     platform: str | None = None, mesh=None, probe=None):
     """`relu(x @ key)² @ value` in `policy.compute_dtype`, as `impl` says.
 
     Args:
@@ -73,8 +74,9 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      one_device: False on a device mesh: "auto" keeps XLA's form there and "pallas" is an
-        error (the kernels have no sharding rule).
+      mesh: the device mesh x is split over as the activations are (None: one device). The
+        kernels run per device, the weights whole on each, when the mesh splits tokens only;
+        otherwise "auto" keeps XLA's form and "pallas" is an error.
       probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
     Returns:
@@ -83,17 +85,22 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
     cd = policy.compute_dtype
     B, T, C = x_BTC.shape
     F = key_CF.shape[-1]
+    M = per_device_tokens(mesh, x_BTC.shape)
     if kernel_chosen(
-            "ffn_impl", impl, one_device=one_device, platform=platform,
-            fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None
-                  and kernel_applies(B * T, C, F)),
+            "ffn_impl", impl, per_device=M is not None, platform=platform,
+            fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None and M is not None
+                  and kernel_applies(M, C, F)),
             kernel="the Pallas ChannelMix GEMMs",
             needs=f"a bf16 compute dtype, no probe and tokens x channels x hidden {B * T} x "
                   f"{C} x {F} in multiples of the kernel tiles "
                   "(ops.squared_relu_mlp.kernel_applies)"):
-        out = squared_relu_mlp_fused(x_BTC.reshape(B * T, C), key_CF, value_FC, jnp.dtype(cd),
-                                     policy.lax_precision, impl == "interpret")
-        return checkpoint_name(out.astype(cd).reshape(B, T, C), MATMUL_OUTPUT_NAME)
+        def local(x, key, value):
+            b, t, _ = x.shape
+            out = squared_relu_mlp_fused(x.reshape(b * t, C), key, value, jnp.dtype(cd),
+                                         policy.lax_precision, impl == "interpret")
+            return out.astype(cd).reshape(b, t, C)
+        out = on_each_device(local, mesh, x_BTC, key_CF, value_FC)
+        return checkpoint_name(out, MATMUL_OUTPUT_NAME)
     pre = policy.einsum("btc,cf->btf", x_BTC, key_CF)
     if jnp.dtype(cd) == jnp.float16:
         hidden, out = _squared_relu_fp16(policy, jax.nn.relu(pre), value_FC)

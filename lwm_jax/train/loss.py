@@ -22,7 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from lwm_jax.hardware import platform_of
-from lwm_jax.layers.layout import BATCH_AXES, SEQUENCE_AXIS
+from lwm_jax.mesh_axes import BATCH_AXES, SEQUENCE_AXIS
 from lwm_jax.ops.xent import xent
 
 L2WRAP_FACTOR = 1e-4

@@ -21,10 +21,9 @@ import jax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from lwm_jax.layers.layout import BATCH_AXES
+from lwm_jax.mesh_axes import BATCH_AXES, MESH_AXES
 from lwm_jax.train.params import map_with_names
 
-MESH_AXES = ("data", "fsdp", "tensor", "sequence")
 LOGICAL_RULES: dict[str, str | None] = {
     "vocab": "tensor",
     "embed": "fsdp",

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from lwm_jax.layers.layout import activation_spec
+from lwm_jax.mesh_axes import activation_spec
 from lwm_jax.precision.loss_scale import DynamicLossScale, NoLossScale
 from lwm_jax.models.registry import loss_head
 from lwm_jax.train.loss import chunked_cross_entropy, cross_entropy, fused_lm_loss, lm_loss

@@ -8,16 +8,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AbstractMesh
 
 from lwm_jax.ops.group_norm import (group_norm, group_norm_bwd_pallas, group_norm_fused,
                                     kernel_applies, rows_per_program)
+from lwm_jax.mesh_axes import MESH_AXES
 from lwm_jax.runtime import Runtime
 
 
-def _ln_x(impl, wkv_op, x, weight, bias, **kw):
-    """`ln_x` as TimeMix calls it: `impl` = `runtime.ln_x_impl`; a `wkv_op` (the
-    sequence-parallel WKV of a sharded model) means several devices."""
-    return group_norm(x, weight, bias, impl=impl, one_device=wkv_op is None, **kw)
+def _ln_x(impl, mesh, x, weight, bias, **kw):
+    """`ln_x` as TimeMix calls it: `impl` = `runtime.ln_x_impl`, `mesh` the model's."""
+    return group_norm(x, weight, bias, impl=impl, mesh=mesh, **kw)
 
 
 def _inputs(seed, shape, C, dtype, N=16):
@@ -95,20 +96,20 @@ def test_shapes_the_kernel_takes():
 def test_time_mix_chooses_the_backward_as_runtime_says(jaxpr_eqns):
     x, w, b, dy = _inputs(2, (1, 8), 128, jnp.float32)
     kw = dict(n_groups=2, eps=64e-5, out_dtype=jnp.float32)
-    sharded = lambda *a, **k: None                                          # noqa: E731
+    sharded = AbstractMesh((1, 1, 2, 1), MESH_AXES)      # a tensor axis: tokens not split only
 
-    def kernels(impl, wkv_op=None):
-        fn = lambda *a: jax.vjp(lambda *a: _ln_x(impl, wkv_op, *a, **kw), *a)[1](dy)  # noqa
+    def kernels(impl, mesh=None):
+        fn = lambda *a: jax.vjp(lambda *a: _ln_x(impl, mesh, *a, **kw), *a)[1](dy)  # noqa
         return len([e for e in jaxpr_eqns(jax.make_jaxpr(fn)(x, w, b).jaxpr, "pallas_call")
                     if e.params.get("name") == "group_norm_bwd"])
     assert kernels("xla") == 0 and kernels("interpret") == 1
-    assert kernels("auto", sharded) == 0                          # a sharded model: XLA's
+    assert kernels("auto", sharded) == 0                          # a tensor-split model: XLA's
     f = lambda impl: jax.vjp(lambda *a: _ln_x(impl, None, *a, **kw), x, w, b)[1](dy)  # noqa
     for g, a in zip(f("interpret"), f("xla")):
         np.testing.assert_allclose(np.asarray(g), np.asarray(a), rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="runtime.ln_x_impl='pallas': .*set runtime.ln_x_impl"):
         _ln_x("pallas", None, x[:, :3], w, b, **kw)               # 3 tokens: no row block
-    with pytest.raises(ValueError, match="runs on one device"):
-        _ln_x("pallas", sharded, x, w, b, **kw)                   # a sharded model
+    with pytest.raises(ValueError, match="runs per device only on a mesh that splits"):
+        _ln_x("pallas", sharded, x, w, b, **kw)                   # a tensor-split model
     with pytest.raises(ValueError, match="runtime.ln_x_impl: 'triton' is not one of"):
         Runtime(ln_x_impl="triton")

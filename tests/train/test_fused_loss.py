@@ -139,7 +139,7 @@ GROUPED_DRIVER = r"""
 import json
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
-from lwm_jax.layers.layout import activation_spec
+from lwm_jax.mesh_axes import activation_spec
 from lwm_jax.train.loss import _DeviceGroups, fused_lm_loss
 from lwm_jax.train.sharding import make_mesh
 

@@ -202,7 +202,7 @@ class RWKVHybrid(nnx.Module):
             x, v_first, _ = block_forward(p, pin(x), pin(v_first), zero, first=first, cfg=c,
                                           policy=policy, runtime=rt, segment_ids_BT=seg,
                                           probe=layer_probe, wkv_op=wkv_op,
-                                          platform=self.platform)
+                                          platform=self.platform, mesh=self.mesh)
             return pin(x), pin(v_first)
 
         def attention_layer(p, x, seg, layer_probe=None):
@@ -218,7 +218,7 @@ class RWKVHybrid(nnx.Module):
             xn2 = layer_norm(x, p["ln2"]["weight"], p["ln2"]["bias"], out_dtype=cd)
             x = x + channel_mix_forward(p["ffn"], xn2, zero.cmix_shift, policy=policy,
                                         segment_ids_BT=seg, probe=scoped(layer_probe, "ffn"),
-                                        platform=self.platform)
+                                        platform=self.platform, mesh=self.mesh)
             if layer_probe is not None:
                 layer_probe("x_out", x)
             return pin(x)

@@ -46,7 +46,8 @@ class Block(nnx.Module):
 
 
 def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool, cfg, policy,
-                  runtime, segment_ids_BT=None, probe=None, wkv_op=None, platform=None):
+                  runtime, segment_ids_BT=None, probe=None, wkv_op=None, platform=None,
+                  mesh=None):
     """One layer: `x += TimeMix(ln1(x)); x += ChannelMix(ln2(x))`.
 
     Args:
@@ -63,6 +64,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (the model's
         mesh's, `lwm_jax.hardware.platform_of`; None: JAX's default devices'): it decides
         which kernels "auto" picks.
+      mesh: the device mesh the activations are split over (None: one device); the fused
+        LayerNorm, GroupNorm and ChannelMix kernels run per device on it.
     Returns:
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """
@@ -72,7 +75,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     def norm(x, ln):
         """LayerNorm `ln` in compute dtype, as the kernels where `runtime.norm_impl` says."""
         return layer_norm(x, ln["weight"], ln["bias"], out_dtype=cd, impl=runtime.norm_impl,
-                          platform=platform, one_device=wkv_op is None)
+                          platform=platform, mesh=mesh)
 
     with jax.named_scope("block_norm"):
         xn = norm(x_BTC, p["ln1"])
@@ -80,7 +83,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
         p["att"], xn, state.tmix_shift, state.wkv, v_first_BTC, first=first, policy=policy,
         head_size=cfg.head_size, wkv_impl=runtime.wkv_impl, chunk_size=runtime.chunk_size or None,
         segment_ids_BT=segment_ids_BT, probe=scoped(probe, "att"), wkv_op=wkv_op,
-        ln_x_impl=runtime.ln_x_impl, platform=platform)
+        ln_x_impl=runtime.ln_x_impl, platform=platform, mesh=mesh)
     x_BTC = x_BTC + att
     if probe is not None:
         probe("x_att", x_BTC)
@@ -89,7 +92,7 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
     x_BTC = x_BTC + channel_mix_forward(p["ffn"], xn2, state.cmix_shift, policy=policy,
                                         segment_ids_BT=segment_ids_BT,
                                         probe=scoped(probe, "ffn"), ffn_impl=runtime.ffn_impl,
-                                        one_device=wkv_op is None, platform=platform)
+                                        mesh=mesh, platform=platform)
     if probe is not None:
         probe("x_out", x_BTC)
     new_state = LayerState(xn[:, -1].astype(jnp.float32), xn2[:, -1].astype(jnp.float32), wkv)

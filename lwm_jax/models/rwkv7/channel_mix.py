@@ -3,8 +3,8 @@
 `out = relu(k @ W_key)² @ W_value` with `k = x + (shift(x) - x) * mu_k`, hidden size
 `ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`. The MLP is the op
 `lwm_jax.ops.squared_relu_mlp`: `Policy.einsum` products (its float16 form scales the squares
-so they cannot overflow) or, on one GPU under bf16 (`Runtime.ffn_impl`), Pallas GEMMs with the
-square and its gradient inside.
+so they cannot overflow) or, on GPUs under bf16 (`Runtime.ffn_impl`), Pallas GEMMs with the
+square and its gradient inside (per device on a mesh).
 """
 from __future__ import annotations
 
@@ -39,8 +39,7 @@ class ChannelMix(nnx.Module):
 
 @jax.named_scope("channel_mix")
 def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None, probe=None,
-                        ffn_impl: str = "xla", one_device: bool = True,
-                        platform: str | None = None):
+                        ffn_impl: str = "xla", mesh=None, platform: str | None = None):
     """One layer's ChannelMix.
 
     Args:
@@ -52,8 +51,10 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
       ffn_impl: `Runtime.ffn_impl`, the `impl` of `lwm_jax.ops.squared_relu_mlp`: "xla"
         (`Policy.einsum` + `squared_relu`), "pallas" / "interpret" (the square inside the key
         GEMM, its gradient inside the value weight's input-gradient GEMM) or "auto" ("pallas"
-        on one GPU under a bf16 compute dtype when the shapes tile, no probe; else "xla").
-      one_device: False on a device mesh (the kernels have no sharding rule).
+        on GPUs under a bf16 compute dtype when each device's shapes tile, no probe; else
+        "xla").
+      mesh: the device mesh the activations are split over (None: one device); the kernels
+        run per device on it.
       platform: the platform the program is compiled for (None: JAX's default devices').
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.
@@ -63,4 +64,4 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + param_mul(xx, p["x_k"])       # x_k's gradient summed in float32
     return squared_relu_mlp(k, p["key"], p["value"], policy=policy, impl=ffn_impl,
-                            platform=platform, one_device=one_device, probe=probe)
+                            platform=platform, mesh=mesh, probe=probe)

@@ -227,7 +227,7 @@ class RWKV7(nnx.Module):
         def make(first, remat):
             """`first`: True / False (layer 0 / later ones), or None: a traced flag per call."""
             fn = partial(block_forward, cfg=cfg, policy=policy, runtime=rt,
-                         wkv_op=self._wkv_op(), platform=self.platform)
+                         wkv_op=self._wkv_op(), platform=self.platform, mesh=self.mesh)
 
             def step(p, x, v_first, st, seg, is_first=None, layer_probe=None):
                 x, v_first, st = fn(p, pin(x), pin(v_first), st,

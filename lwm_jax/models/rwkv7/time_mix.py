@@ -147,7 +147,7 @@ def _lora(policy, x_BTC, down, up):
 def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: bool, policy,
                      head_size: int, wkv_impl: str = "auto", chunk_size: int | None = None,
                      segment_ids_BT=None, probe=None, wkv_op=None,
-                     ln_x_impl: str = "xla", platform: str | None = None
+                     ln_x_impl: str = "xla", platform: str | None = None, mesh=None
                      ) -> tuple[Any, Any, Any]:
     """One layer's TimeMix.
 
@@ -166,10 +166,11 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7.wkv7` is (None: `wkv7`); e.g. the
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
       ln_x_impl: `Runtime.ln_x_impl`, the `impl` of `lwm_jax.ops.group_norm.group_norm`.
-        "auto" takes the Pallas backward on a GPU when `wkv_op` is None (one device: the
-        kernel has no sharding rule) and the shape fits it.
+        "auto" takes the Pallas backward on a GPU when each device's share of the shape fits
+        it (on `mesh`, per device).
       platform: the platform the program is compiled for ("cpu" | "gpu" | "tpu"; None: JAX's
         default devices'): picks the WKV kernel family and "auto"'s kernels.
+      mesh: the device mesh the activations are split over (None: one device).
     Returns:
       `(out_BTC, v_first_BTC, new_wkv_BHNN)`: output in compute dtype, `v_first` in compute
       dtype, state float32.
@@ -226,7 +227,7 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
 
     y = group_norm(o.reshape(B, T, C), p["ln_x"]["weight"], p["ln_x"]["bias"], n_groups=H,
                    eps=N * 1e-5, out_dtype=cd, impl=ln_x_impl, platform=platform,
-                   one_device=wkv_op is None)
+                   mesh=mesh)
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)

@@ -1,0 +1,90 @@
+"""The fused kernels on a device mesh (`lwm_jax.ops.kernel_choice.on_each_device`): LayerNorm,
+GroupNorm and the squared-ReLU MLP run per device inside `shard_map` (the Pallas interpreter on
+8 CPU devices, in a subprocess) and give the one-device XLA form's values and gradients, the
+parameters' gradients summed over every device's tokens; a tensor axis keeps XLA's forms."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+DRIVER = textwrap.dedent("""
+    import json
+    import jax, jax.numpy as jnp, numpy as np
+    from lwm_jax.ops.layer_norm import layer_norm
+    from lwm_jax.ops.group_norm import group_norm
+    from lwm_jax.ops.squared_relu_mlp import squared_relu_mlp
+    from lwm_jax.precision import parse_policy
+    from lwm_jax.train.sharding import make_mesh
+
+    B, T, C, F, H = 4, 256, 128, 256, 2
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((B, T, C)) * 2 + rng.standard_normal(C), jnp.bfloat16)
+    dy = jnp.asarray(rng.standard_normal((B, T, C)), jnp.bfloat16)
+    w, b = (jnp.asarray(rng.standard_normal(C) + 1, jnp.float32),
+            jnp.asarray(rng.standard_normal(C), jnp.float32))
+    key = jnp.asarray(rng.standard_normal((C, F)) / C ** 0.5, jnp.float32)
+    value = jnp.asarray(rng.standard_normal((F, C)) / F ** 0.5, jnp.float32)
+    policy = parse_policy("bf16-mixed")
+    # platform "gpu": what "auto" decides on GPUs (it must keep XLA's forms on a tensor axis)
+    ops = {
+        "layer_norm": lambda impl, mesh: lambda x, p, q: layer_norm(
+            x, p, q, out_dtype=jnp.bfloat16, impl=impl, mesh=mesh, platform="gpu"),
+        "group_norm": lambda impl, mesh: lambda x, p, q: group_norm(
+            x, p, q, n_groups=H, eps=64e-5, out_dtype=jnp.bfloat16, impl=impl, mesh=mesh,
+            platform="gpu"),
+        "squared_relu_mlp": lambda impl, mesh: lambda x, p, q: squared_relu_mlp(
+            x, p, q, policy=policy, impl=impl, mesh=mesh, platform="gpu"),
+    }
+    params = {"layer_norm": (w, b), "group_norm": (w, b), "squared_relu_mlp": (key, value)}
+
+    def run(op, impl, mesh):
+        f = ops[op](impl, mesh)
+        def loss(x, p, q):
+            return jnp.sum(f(x, p, q).astype(jnp.float32) * dy.astype(jnp.float32))
+        val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, *params[op])
+        return float(val), [np.asarray(g, np.float64) for g in grads]
+
+    def rel(a, b):
+        return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+    out = {}
+    one = dict(data=1, fsdp=1, tensor=1, sequence=1)
+    for op in ops:
+        for name, shape in (("data2_fsdp2_seq2", dict(data=2, fsdp=2, sequence=2)),
+                            ("seq8", dict(sequence=8)), ("tensor2_data4", dict(data=4, tensor=2))):
+            mesh = make_mesh({**one, **shape})
+            # per device: the interpreted kernels against themselves on one device; on a
+            # tensor axis "auto" keeps XLA's form: against XLA's form on one device
+            impl, ref_impl = ("auto", "xla") if "tensor" in name else ("interpret", "interpret")
+            ref_val, ref_grads = run(op, ref_impl, None)
+            val, grads = run(op, impl, mesh)
+            text = jax.jit(ops[op](impl, mesh)).lower(x, *params[op]).as_text()
+            out[f"{op}/{name}"] = {"val": abs(val - ref_val) / abs(ref_val),
+                                   "grads": [rel(g, r) for g, r in zip(grads, ref_grads)],
+                                   "per_device": "manual_computation" in text
+                                                 or "shard_map" in text}
+    print("RESULT", json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+def test_fused_kernels_run_per_device_and_match_one_device():
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    run = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True,
+                         env=env, timeout=900)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    out = json.loads(lines[-1][len("RESULT "):])
+    for case, r in out.items():
+        per_device_expected = "tensor" not in case
+        assert r["per_device"] == per_device_expected, (case, r)
+        # the same per-token work on each device's tokens: only the summation order of the
+        # loss and of the parameters' float32 gradients (partials summed over devices) moves
+        assert r["val"] < 1e-5, (case, r)
+        assert max(r["grads"]) < 1e-5, (case, r)
