@@ -1,7 +1,8 @@
 """The fused kernels on a device mesh (`lwm_jax.ops.kernel_choice.on_each_device`): LayerNorm,
 GroupNorm and the squared-ReLU MLP run per device inside `shard_map` (the Pallas interpreter on
-8 CPU devices, in a subprocess) and give the one-device XLA form's values and gradients, the
-parameters' gradients summed over every device's tokens; a tensor axis keeps XLA's forms."""
+8 CPU devices, or the compiled kernels on 2+ GPUs, in a subprocess) and give the one-device
+kernels' values and gradients, the parameters' gradients summed over every device's tokens; a
+tensor axis keeps XLA's forms."""
 from __future__ import annotations
 
 import json
@@ -13,7 +14,7 @@ import textwrap
 import pytest
 
 DRIVER = textwrap.dedent("""
-    import json
+    import json, os
     import jax, jax.numpy as jnp, numpy as np
     from lwm_jax.ops.layer_norm import layer_norm
     from lwm_jax.ops.group_norm import group_norm
@@ -54,13 +55,20 @@ DRIVER = textwrap.dedent("""
 
     out = {}
     one = dict(data=1, fsdp=1, tensor=1, sequence=1)
+    kernel = os.environ["KERNEL_IMPL"]              # "interpret" (CPU) or "pallas" (GPUs)
+    if jax.device_count() >= 8:
+        meshes = (("data2_fsdp2_seq2", dict(data=2, fsdp=2, sequence=2)),
+                  ("seq8", dict(sequence=8)), ("tensor2_data4", dict(data=4, tensor=2)))
+    else:
+        meshes = (("data2", dict(data=2)), ("seq2", dict(sequence=2)),
+                  ("tensor2", dict(tensor=2)))
+    devices = jax.devices()[:2] if jax.device_count() < 8 else jax.devices()[:8]
     for op in ops:
-        for name, shape in (("data2_fsdp2_seq2", dict(data=2, fsdp=2, sequence=2)),
-                            ("seq8", dict(sequence=8)), ("tensor2_data4", dict(data=4, tensor=2))):
-            mesh = make_mesh({**one, **shape})
+        for name, shape in meshes:
+            mesh = make_mesh({**one, **shape}, devices)
             # per device: the interpreted kernels against themselves on one device; on a
             # tensor axis "auto" keeps XLA's form: against XLA's form on one device
-            impl, ref_impl = ("auto", "xla") if "tensor" in name else ("interpret", "interpret")
+            impl, ref_impl = ("auto", "xla") if "tensor" in name else (kernel, kernel)
             ref_val, ref_grads = run(op, ref_impl, None)
             val, grads = run(op, impl, mesh)
             text = jax.jit(ops[op](impl, mesh)).lower(x, *params[op]).as_text()
@@ -72,10 +80,7 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
-def test_fused_kernels_run_per_device_and_match_one_device():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
+def _run(env):
     run = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True,
                          env=env, timeout=900)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -88,3 +93,17 @@ def test_fused_kernels_run_per_device_and_match_one_device():
         # loss and of the parameters' float32 gradients (partials summed over devices) moves
         assert r["val"] < 1e-5, (case, r)
         assert max(r["grads"]) < 1e-5, (case, r)
+
+
+@pytest.mark.slow
+def test_fused_kernels_run_per_device_and_match_one_device():
+    _run(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+              JAX_PLATFORMS="cpu", KERNEL_IMPL="interpret"))
+
+
+@pytest.mark.gpu
+def test_compiled_kernels_run_per_device_on_gpus():
+    import jax
+    if len(jax.devices("gpu")) < 2:
+        pytest.skip("needs two GPUs")
+    _run(dict(os.environ, KERNEL_IMPL="pallas"))
