@@ -1,7 +1,8 @@
 """The package's import graph: no cycle between `lwm_jax` packages, no arrow the layering
 forbids (the models never import the diagnostics built on them; the ops import neither layers
-nor models), and the WKV7 kernels import only the op's leaf modules (its contract, the shared
-triangular inverse, the checkpoint names), never the op.
+nor models), and the WKV7 kernels (`pallas_gpu`, `mosaic_gpu`, `pallas_tpu`) import only the
+op's leaf modules (`LEAVES`: its contract, the shared triangular inverse, the shared tile
+products `tile_dots`, the packed-document `segments`, the checkpoint names), never the op.
 
 Read from the source with `ast` (module-level and function-level imports alike: a lazy import
 is still a dependency), so a new cycle fails here before it fails at import time."""

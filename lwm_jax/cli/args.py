@@ -3,7 +3,8 @@
 Nothing here imports JAX-level code: `lwm-jax --help` and argument parsing build every
 subparser from this module alone, and only the chosen subcommand's implementation module is
 imported when it runs (`COMMANDS` names it). Defaults are shown in `--help` (`HelpFormatter`).
-The subcommand modules re-export their `add_*_args` functions from here for API users.
+The `add_*_args` functions live only here (`from lwm_jax.cli.args import add_eval_args`);
+the subcommand modules do not re-export them.
 """
 from __future__ import annotations
 

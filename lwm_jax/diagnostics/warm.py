@@ -1,11 +1,14 @@
 """Warming an initialised model before a precision report.
 
 An initialisation is not a trained model: RWKV-7 zero-initialises its attention output, the
-FFN value projection and the LoRA down projections, and starts every norm weight at a constant.
-A zero projection's product is exactly 0 in every precision, so a report on a fresh model shows
-those ops as exact (and everything downstream of them as unperturbed) where a trained model
-loses the policy's precision there. `warm_params` replaces such degenerate values with random
-ones of a trained-like scale and leaves every other parameter as initialised:
+FFN value projection and the LoRA down projections, and starts every norm weight at a constant;
+LLaMA keeps its Gaussian matrices but starts every RMSNorm weight at the constant 1. A zero
+projection's product is exactly 0 in every precision, so a report on a fresh model shows those
+ops as exact (and everything downstream of them as unperturbed) where a trained model loses the
+policy's precision there (likewise a norm weight of exactly 1 multiplies without rounding).
+`warm_params` (for any model class with a precision-report family: `RWKV7`, `Llama`) replaces
+such degenerate values with random ones of a trained-like scale and leaves every other
+parameter as initialised:
 
 * which parameters, and the noise's standard deviation: the model family's `warm_std`
   (`lwm_jax.diagnostics.subops.Family`): a projection `[..., in, out]` whose rows are constant
@@ -16,7 +19,8 @@ ones of a trained-like scale and leaves every other parameter as initialised:
   model on every machine.
 
 This is no substitute for a checkpoint (`lwm-jax precision-report --checkpoint RUN_DIR`): the
-values are random, not learned; it only removes the zeros that make an op look exact.
+values are random, not learned; it only removes the zeros and constants that make an op look
+exact.
 """
 from __future__ import annotations
 

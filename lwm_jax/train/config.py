@@ -4,13 +4,18 @@ A run config has a few top-level keys (`name`, `run_dir`, `precision`, `arch`) a
 
 | section      | type              | what                                                        |
 |--------------|-------------------|-------------------------------------------------------------|
-| `model`      | per `arch`        | architecture: `ModelConfig` (rwkv7) or `LlamaConfig` (llama) |
+| `model`      | per `arch`        | architecture: `ModelConfig` / `LlamaConfig` / `HybridConfig` |
 | `runtime`    | `Runtime`         | WKV implementation, chunk, remat, layer scan (`lwm_jax.runtime`) |
 | `train`      | `TrainSection`    | optimiser, schedule, batch, loop cadence                    |
-| `data`       | `DataSection`     | binidx prefix (or null = embedded corpus), tokenizer        |
+| `data`       | `DataSection`     | data (`path` or `sources`), tokenizer, validation split     |
 | `checkpoint` | `CheckpointSection` | where/how often to save, how many to keep, async or not   |
 | `mesh`       | `MeshSection`     | device-mesh axis sizes (data, fsdp, tensor, sequence)       |
 | `logging`    | `LoggingSection`  | trackers (metrics.jsonl, TensorBoard, Weights & Biases)     |
+
+`data.path`, and each entry of `data.sources` (a weighted mixture in its place), names a binidx
+prefix, a directory or `.jsonl` / `.parquet` / `.txt` file of text tokenised on the fly, or
+`hf:<dataset>[:<config>[:<split>]]` (streamed `datasets`); `path: null` with no `sources` trains
+on the embedded corpus (`lwm_jax.data.corpus`).
 
 Every key a YAML file leaves out takes its built-in default, and the built-in defaults ARE the
 tiny run (`configs/tiny.yaml` mirrors them; a test keeps the two equal), so `lwm-jax train` with

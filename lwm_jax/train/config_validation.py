@@ -14,6 +14,7 @@ import types
 import typing
 from typing import Any
 
+from lwm_jax.data.prepare import binidx_prefix
 from lwm_jax.train.config_sections import DataSection, MeshSection, RunConfig, yaml_key
 from lwm_jax.user_input import short
 
@@ -220,12 +221,6 @@ def _check_trackers(names: tuple[str, ...]) -> None:
             fail(f"logging.trackers[{i}]", f"{short(name)} is not one of {', '.join(known)}")
         if name in names[:i]:
             fail(f"logging.trackers[{i}]", f"{name} is listed twice; list each tracker once")
-
-
-def binidx_prefix(path: str) -> str:
-    """`data/x.bin`, `data/x.idx` and `data/x` all name the binidx pair `data/x`."""
-    root, ext = os.path.splitext(path)
-    return root if ext in (".bin", ".idx") else path
 
 
 def mesh_shape(mesh: MeshSection, n_devices: int) -> dict[str, int]:
