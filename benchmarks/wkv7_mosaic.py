@@ -3,10 +3,17 @@ Pallas-Triton forward (`wkv7(..., impl="pallas")`) and jla's Mosaic GPU forward,
 same process, same timer.
 
     python benchmarks/wkv7_mosaic.py [check] [time] [--shapes "8,4096,12,64;4,4096,32,64"]
-                                     [--peers ours,jla] [--reps 50]
+                                     [--peers ours,jla] [--variants phase1,tf32,x3] [--reps 50]
+
+Variants of ours-Mosaic (`--variants`): "fused" (fwd.py, one CTA per head), "phase1" /
+"phase1-old" (the chunk-parallel maps of two_phase.py alone), and the two-phase forward
+`wkv7_mosaic_fwd2` with phase 2 on the Pallas-Triton `seq_fwd`/`out_fwd` launches in TF32
+("tf32" -> 2ph-tf32) or tf32x3 ("x3" -> 2ph-x3; "nab": x3 without automatic barriers), or on
+the XLA-scan fallback ("mseq" -> 2ph-xla, slow).
 
 jla: `pip install --no-index --no-deps --target /tmp/site
-.peer/jax_linear_attention-0.1.0-py3-none-any.whl` and PYTHONPATH=/tmp/site (skipped with a note when it does not import).
+.peer/jax_linear_attention-0.1.0-py3-none-any.whl` and PYTHONPATH=/tmp/site (skipped with a
+note when it does not import).
 
 Inputs: the peer harness's (`.peer/wkv7_peers.py::make`, rebuilt here in NumPy): bf16 r, k, v,
 a = -kk, b = kk * sigmoid(.), w = bf16(-e^{-1/2} sigmoid(u)). `check` prints the relative error
@@ -56,10 +63,55 @@ def rel(x, ref):
     return float(np.linalg.norm(x - ref) / np.linalg.norm(ref))
 
 
+def triton_seq(precision):
+    """Phase 2 of `wkv7_mosaic_fwd2` on our Pallas-Triton launches (`seq_fwd`, and `out_fwd`
+    where `launches.resolve` splits the outputs off), matmuls in `precision` ("default" =
+    TF32, "tf32x3")."""
+    from lwm_jax.ops.wkv7.pallas_gpu import launches
+    from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS
+
+    def seq(M, D, Q, O0, s0, *, H, out_dtype):
+        tune = launches.resolve(None, 32, M.shape[0], 64)
+        kw = dict(H=H, C=32, prec=PRECISIONS[precision], tune=tune, interpret=False)
+        o, sT, *states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=out_dtype,
+                                          want_states=False, **kw)
+        if o is None:
+            o = launches.out_fwd(Q, O0, states[0], out_dtype=out_dtype, **kw)
+        return o, sT
+    seq.__name__ = f"triton_seq_{precision}"
+    return seq
+
+
+def two_phase_variants(names):
+    """name -> (seq, no_auto_barriers) of the two-phase forward variants asked for."""
+    from lwm_jax.ops.wkv7.mosaic_gpu import two_phase
+    table = {}
+    if "tf32" in names:
+        table["2ph-tf32"] = (triton_seq("default"), False)
+    if "x3" in names:
+        table["2ph-x3"] = (triton_seq("tf32x3"), False)
+    if "nab" in names:
+        table["2ph-x3-nab"] = (table.get("2ph-x3", (triton_seq("tf32x3"),))[0], True)
+    if "mseq" in names:
+        table["2ph-xla"] = (None, False)
+    return table, two_phase
+
+
 def implementations(names):
     fns = {}
     from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd
-    fns["mosaic"] = lambda r, w, k, v, a, b: wkv7_mosaic_fwd(r, w, k, v, a, b)[0]
+    if "fused" in names:
+        fns["mosaic"] = lambda r, w, k, v, a, b: wkv7_mosaic_fwd(r, w, k, v, a, b)[0]
+    table, two_phase = two_phase_variants(names)
+    for name, (seq, nab) in table.items():
+        fns[name] = (lambda seq, nab: lambda r, w, k, v, a, b: two_phase.wkv7_mosaic_fwd2(
+            r, w, k, v, a, b, seq=seq, no_auto_barriers=nab)[0])(seq, nab)
+    if "phase1" in names:
+        from lwm_jax.ops.wkv7.mosaic_gpu.chunks import chunk_maps
+        fns["phase1"] = lambda r, w, k, v, a, b: chunk_maps(r, (w,), k, v, a, b)
+    if "phase1-old" in names:  # phase 1 on fwd._chunk_terms as the one-CTA-per-head kernel has it
+        from lwm_jax.ops.wkv7.mosaic_gpu.chunks import chunk_maps
+        fns["phase1-old"] = lambda r, w, k, v, a, b: chunk_maps(r, (w,), k, v, a, b, lean=False)
     if "ours" in names:
         from lwm_jax.ops.wkv7 import wkv7
         fns["ours-triton"] = lambda r, w, k, v, a, b: wkv7(r, w, k, v, a, b, impl="pallas")
@@ -74,15 +126,33 @@ def implementations(names):
     return fns
 
 
+def fns_names(fns):
+    """The variant keys of `two_phase_variants` that the names in `fns` came from."""
+    keys = {"2ph-tf32": "tf32", "2ph-x3": "x3", "2ph-x3-nab": "nab", "2ph-xla": "mseq"}
+    return [keys[n] for n in fns if n in keys]
+
+
 def check(fns):
     xs = make(1, 1024, 4, 64, seed=1024)
     ref, _ = wkv7_reference_np(*[x.astype(np.float64) for x in xs])
     for name, fn in fns.items():
-        o = jax.jit(fn)(*[jnp.asarray(x) for x in xs])
+        if name.startswith("phase1"):
+            continue
+        try:
+            o = jax.jit(fn)(*[jnp.asarray(x) for x in xs])
+        except Exception as err:  # noqa: BLE001 - report and go on
+            print("ACC", name, f"error: {type(err).__name__}: {str(err)[:2000]}", flush=True)
+            continue
         print("ACC", name, json.dumps(dict(shape=[1, 1024, 4, 64], o_rel=rel(o, ref))), flush=True)
-    # extra cases for the Mosaic kernel: ragged T, initial + final state, float32 w
+    # extra cases for the Mosaic kernels: ragged T, initial + final state, float32 w
     from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd
-    for B, T, H, seed, f32w in ((2, 200, 3, 7, False), (1, 512, 2, 8, True)):
+    from lwm_jax.ops.wkv7.mosaic_gpu.two_phase import wkv7_mosaic_fwd2
+    table = {"mosaic": lambda *xs, **kw: wkv7_mosaic_fwd(*xs, **kw)} if "mosaic" in fns else {}
+    for name, (seq, nab) in two_phase_variants(list(fns_names(fns)))[0].items():
+        table[name] = (lambda seq, nab: lambda *xs, **kw: wkv7_mosaic_fwd2(
+            *xs, seq=seq, no_auto_barriers=nab, **kw))(seq, nab)
+    for (B, T, H, seed, f32w), (name, fwd) in ((case, item) for case in (
+            (2, 200, 3, 7, False), (1, 512, 2, 8, True)) for item in table.items()):
         xs = make(B, T, H, 64, seed)
         rng = np.random.default_rng(seed + 1)
         s0 = (0.5 * rng.standard_normal((B, H, 64, 64))).astype(np.float32)
@@ -92,9 +162,13 @@ def check(fns):
         args = [xs[0], w] + xs[2:]
         ref, ref_s = wkv7_reference_np(*[np.asarray(x, np.float64) for x in args],
                                        initial_state=s0.astype(np.float64))
-        o, sT = wkv7_mosaic_fwd(*[jnp.asarray(x) for x in args], initial_state=jnp.asarray(s0),
-                                output_dtype=jnp.float32)
-        print("ACC mosaic-extra", json.dumps(dict(shape=[B, T, H, 64], f32_w=f32w,
+        try:
+            o, sT = fwd(*[jnp.asarray(x) for x in args], initial_state=jnp.asarray(s0),
+                        output_dtype=jnp.float32)
+        except Exception as err:  # noqa: BLE001 - report and go on
+            print(f"ACC {name}-extra error: {type(err).__name__}: {str(err)[:300]}", flush=True)
+            continue
+        print(f"ACC {name}-extra", json.dumps(dict(shape=[B, T, H, 64], f32_w=f32w,
                                                    o_rel_f32out=rel(o, ref),
                                                    state_rel=rel(sT, ref_s))), flush=True)
 
@@ -135,11 +209,17 @@ def main():
     p.add_argument("modes", nargs="*", default=["check", "time"])
     p.add_argument("--shapes", default="8,4096,12,64;4,4096,32,64;1,32768,32,64;16,2048,32,64")
     p.add_argument("--peers", default="ours,jla")
+    p.add_argument("--variants", default="phase1,tf32,x3",
+                   help="fused (the one-CTA-per-head kernel), phase1 / phase1-old (phase 1 "
+                        "alone, lean"
+                        " / fwd._chunk_terms), two-phase"
+                        " with phase 2 on: tf32 / x3 (Triton, TF32 / tf32x3), nab (x3 without"
+                        " automatic barriers), mseq (the XLA-scan fallback, slow)")
     p.add_argument("--reps", type=int, default=50)
     args = p.parse_args()
     print("DEVICE", jax.devices()[0].device_kind, "jax", jax.__version__,
           time.strftime("%Y-%m-%d"), flush=True)
-    fns = implementations(args.peers.split(","))
+    fns = implementations(args.variants.split(",") + args.peers.split(","))
     if "check" in args.modes:
         check(fns)
     if "time" in args.modes:

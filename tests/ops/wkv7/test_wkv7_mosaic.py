@@ -17,25 +17,27 @@ from lwm_jax.ops.wkv7.testing import rel_err, random_wkv7_inputs
 pytestmark = pytest.mark.gpu
 
 
-def _mosaic():
+def _mosaic(two_phase=False):
     if jax.devices()[0].platform != "gpu":
         pytest.skip("needs a CUDA GPU")
     if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
         pytest.skip("needs an sm_90 (Hopper) GPU")
     try:
-        from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd
+        from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd, wkv7_mosaic_fwd2
     except ImportError as err:
         pytest.skip(f"mosaic_gpu kernel does not import: {err}")
-    return wkv7_mosaic_fwd
+    return wkv7_mosaic_fwd2 if two_phase else wkv7_mosaic_fwd
 
 
+@pytest.mark.parametrize("two_phase", [False, True], ids=["fused", "two_phase"])
 @pytest.mark.parametrize("B,T,H,with_state,w_f32", [
     (1, 1024, 4, False, False),   # the peer harness's accuracy shape
     (2, 200, 3, True, False),     # T not a multiple of the chunk, initial + final state
     (1, 256, 2, True, True),      # float32 log-decay (split into two bf16 parts)
 ])
-def test_mosaic_forward_matches_float64(B, T, H, with_state, w_f32):
-    fwd = _mosaic()
+def test_mosaic_forward_matches_float64(B, T, H, with_state, w_f32, two_phase):
+    # two_phase: chunk-parallel Mosaic maps + the float32 XLA-scan phase 2 (its default)
+    fwd = _mosaic(two_phase)
     r, w, k, v, a, b = random_wkv7_inputs(T + 31 * B + H, B, T, H, 64, 64, jnp.float32)
     xs = [x.astype(jnp.bfloat16) for x in (r, k, v, a, b)]
     w_in = w if w_f32 else w.astype(jnp.bfloat16)

@@ -1,11 +1,14 @@
 """WKV7 forward on Pallas Mosaic GPU (Hopper, sm_90a: wgmma + TMA). Forward only.
 
-    from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd
-    o, final_state = wkv7_mosaic_fwd(r, w, k, v, a, b, initial_state=None)
+    from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd, wkv7_mosaic_fwd2
+    o, final_state = wkv7_mosaic_fwd(r, w, k, v, a, b, initial_state=None)   # one CTA per head
+    o, final_state = wkv7_mosaic_fwd2(r, w, k, v, a, b, seq=...)  # chunk-parallel + sequential
 
 Needs jax >= 0.11 (its `jax.experimental.pallas.mosaic_gpu` API); on older jax importing this
 package raises an ImportError that says so. Nothing else in `lwm_jax` imports it yet.
-See `fwd.py` for the design, shapes and precision.
+See `fwd.py` for the per-chunk algebra, shapes and precision, `chunks.py` (the chunk-parallel
+maps) and `two_phase.py` (the two-phase forward; its phase 2 is passed in, e.g. the Triton
+launches, since this package may not import pallas_gpu).
 """
 from __future__ import annotations
 
@@ -27,5 +30,6 @@ if _jax_version() < _MIN_JAX:
                       f"found jax {jax.__version__}")
 
 from lwm_jax.ops.wkv7.mosaic_gpu.fwd import CHUNK, wkv7_mosaic_fwd  # noqa: E402
+from lwm_jax.ops.wkv7.mosaic_gpu.two_phase import sequential_xla, wkv7_mosaic_fwd2  # noqa: E402
 
-__all__ = ["CHUNK", "wkv7_mosaic_fwd"]
+__all__ = ["CHUNK", "sequential_xla", "wkv7_mosaic_fwd", "wkv7_mosaic_fwd2"]

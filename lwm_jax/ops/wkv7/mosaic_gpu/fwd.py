@@ -14,7 +14,8 @@ overlaps the other's; the state (bf16 hi/lo in SMEM, the wgmma operand) is hande
 in chunk order through two mbarriers, and each warpgroup's TMA loads its next chunk as soon as
 it has read the current one. Every product is a 64-row wgmma on 64 x 64 tiles, so the 32-token
 quantities are stacked: X = [a; r] and Y = [b; k] (two TMA copies into the halves of one SMEM
-tile), v as [0; v] and w as [w; 0]. Per chunk, with g = inclusive cumsum of w, gx = exclusive, p = g at token 15
+tile), v as [0; v] and w as [w; 0]. Per chunk, with g = inclusive cumsum of w, gx = exclusive,
+p = g at token 15
 (the pivot), gC = g at token 31:
 
     [gx; g], [g; g], p, gC        0/1 lower-triangular matrices (bf16, exact) times [w; 0]
