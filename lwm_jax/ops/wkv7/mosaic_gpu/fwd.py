@@ -319,20 +319,26 @@ def _w_parts(w):
     return hi, (w - hi.astype(_F32)).astype(_BF16)
 
 
+def check_inputs(fn: str, r, w, k, v, a, b) -> None:
+    """The kernels' input contract, errors named after `fn`: r, k, v, a, b bfloat16
+    `[B, T, H, 64]`, w of r's shape (bfloat16 or float32)."""
+    B, T, H, K = r.shape
+    if K != DIM or v.shape[-1] != DIM:
+        raise ValueError(f"{fn}: K and V must be {DIM}, got K={K}, V={v.shape[-1]}")
+    for name, x in (("r", r), ("k", k), ("v", v), ("a", a), ("b", b)):
+        if x.dtype != _BF16:
+            raise TypeError(f"{fn}: {name} must be bfloat16, got {x.dtype}")
+        if x.shape != (B, T, H, DIM):
+            raise ValueError(f"{fn}: {name} must be {(B, T, H, DIM)}, got {x.shape}")
+    if w.shape != r.shape:
+        raise ValueError(f"{fn}: w must be {r.shape}, got {w.shape}")
+
+
 @functools.partial(jax.jit, static_argnames=("output_dtype",))
 def wkv7_mosaic_fwd(r, w, k, v, a, b, initial_state=None, output_dtype=None):
     """WKV7 forward (see the module docstring). Returns `(o, final_state)`."""
-    B, T, H, K = r.shape
-    V = v.shape[-1]
-    if K != DIM or V != DIM:
-        raise ValueError(f"wkv7_mosaic_fwd: K and V must be {DIM}, got K={K}, V={V}")
-    for name, x in (("r", r), ("k", k), ("v", v), ("a", a), ("b", b)):
-        if x.dtype != _BF16:
-            raise TypeError(f"wkv7_mosaic_fwd: {name} must be bfloat16, got {x.dtype}")
-        if x.shape != (B, T, H, DIM):
-            raise ValueError(f"wkv7_mosaic_fwd: {name} must be {(B, T, H, DIM)}, got {x.shape}")
-    if w.shape != r.shape:
-        raise ValueError(f"wkv7_mosaic_fwd: w must be {r.shape}, got {w.shape}")
+    check_inputs("wkv7_mosaic_fwd", r, w, k, v, a, b)
+    B, T, H, _ = r.shape
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
     Tp = -(-T // (2 * CHUNK)) * 2 * CHUNK  # an even number of chunks
     parts = _w_parts(w)

@@ -28,27 +28,14 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.ops.wkv7.mosaic_gpu.chunks import chunk_maps
-from lwm_jax.ops.wkv7.mosaic_gpu.fwd import CHUNK, DIM, _BF16, _F32, _w_parts
-
-
-def _check(r, w, k, v, a, b):
-    B, T, H, K = r.shape
-    if K != DIM or v.shape[-1] != DIM:
-        raise ValueError(f"wkv7_mosaic_fwd2: K and V must be {DIM}, got K={K}, V={v.shape[-1]}")
-    for name, x in (("r", r), ("k", k), ("v", v), ("a", a), ("b", b)):
-        if x.dtype != _BF16:
-            raise TypeError(f"wkv7_mosaic_fwd2: {name} must be bfloat16, got {x.dtype}")
-        if x.shape != (B, T, H, DIM):
-            raise ValueError(f"wkv7_mosaic_fwd2: {name} must be {(B, T, H, DIM)}, got {x.shape}")
-    if w.shape != r.shape:
-        raise ValueError(f"wkv7_mosaic_fwd2: w must be {r.shape}, got {w.shape}")
+from lwm_jax.ops.wkv7.mosaic_gpu.fwd import CHUNK, DIM, _F32, _w_parts, check_inputs
 
 
 @functools.partial(jax.jit, static_argnames=("output_dtype", "seq", "no_auto_barriers"))
 def wkv7_mosaic_fwd2(r, w, k, v, a, b, initial_state=None, output_dtype=None, seq=None,
                      no_auto_barriers=False):
     """WKV7 forward in two phases (module docstring). Returns `(o, final_state)`."""
-    _check(r, w, k, v, a, b)
+    check_inputs("wkv7_mosaic_fwd2", r, w, k, v, a, b)
     B, T, H, _ = r.shape
     out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
     Tp = -(-T // CHUNK) * CHUNK
