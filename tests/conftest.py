@@ -39,7 +39,7 @@ GPU_PATH_FILES = (
     "tests/ops/wkv7/test_wkv7_ops.py", "tests/ops/wkv7/test_wkv7_aligned_keys.py",
     "tests/ops/wkv7/test_wkv7_limits.py", "tests/ops/wkv7/test_wkv_precision.py",
     "tests/ops/test_xent.py", "tests/ops/test_layer_norm.py", "tests/ops/test_group_norm.py",
-    "tests/ops/test_relu2_matmul.py",
+    "tests/ops/test_relu2_matmul.py", "tests/ops/test_kernels_per_device.py",
     "tests/layers/test_attention.py", "tests/layers/test_norms.py",
     "tests/layers/test_rms_norm.py", "tests/layers/test_rope.py",
     "tests/models/rwkv7/test_model.py", "tests/models/rwkv7/test_kk_normalise.py",
