@@ -15,13 +15,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import statistics
-import time
 
 import torch
 
 os.environ.setdefault("FLA_TILELANG", "0")   # FLA_TILELANG=1 runs its TileLang backend instead
 from fla.ops.rwkv7 import chunk_rwkv7  # noqa: E402
+from torch_timer import timed  # noqa: E402  (benchmarks/peers/, the script's folder)
 
 LOWER = -math.exp(-0.5)
 SHAPES = [(8, 4096, 12, 64), (4, 4096, 32, 64), (1, 32768, 32, 64), (16, 2048, 32, 64)]
@@ -35,23 +34,6 @@ def make_inputs(B, T, H, D, seed=0, dtype=torch.bfloat16):
     kk = torch.nn.functional.normalize(normal(), dim=-1)
     icl = torch.sigmoid(normal())
     return [x.to(dtype) for x in (r, w, k, v, -kk, kk * icl)]
-
-
-def timed(fn, min_batch_s=0.05, rounds=7):
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(1, int(min_batch_s / max(time.perf_counter() - t0, 1e-5)))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
 
 
 def main():

@@ -29,11 +29,12 @@ import argparse
 import json
 import math
 import os
-import statistics
 import sys
 import time
 
 import numpy as np
+
+from torch_timer import timed  # benchmarks/peers/, the script's folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
@@ -112,24 +113,6 @@ def speed_inputs(B, T, H, D, seed=0):
     kk = torch.nn.functional.normalize(normal(), dim=-1)
     icl = torch.sigmoid(normal())
     return [x.to(torch.bfloat16).contiguous() for x in (r, u, k, v, -kk, kk * icl)]
-
-
-def timed(fn, min_batch_s=0.05, rounds=7):
-    import torch
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    n = max(1, int(min_batch_s / max(time.perf_counter() - t0, 1e-5)))
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) / n)
-    return statistics.median(times)
 
 
 def run_speed(fn, variant, shape_index):
