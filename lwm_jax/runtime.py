@@ -39,24 +39,25 @@ class Runtime:
       ln_x_impl: the backward of RWKV-7's `ln_x` GroupNorm, the `impl` of
         `lwm_jax.ops.group_norm.group_norm`: "xla" (autodiff of the forward), "pallas" (one
         kernel), "interpret" (that kernel in the Pallas interpreter, for tests) or "auto":
-        "pallas" on GPUs when the shape allows it, else "xla". The forward is the same
+        "pallas" on one GPU when the shape allows it, else "xla". The forward is the same
         either way. Memory and time of each: benchmarks/RESULTS.md.
       ffn_impl: RWKV-7 ChannelMix's `relu(x W_key)² W_value`, the `impl` of
         `lwm_jax.ops.squared_relu_mlp.squared_relu_mlp`: "xla" (`Policy.einsum` products and a
         separate square), "pallas" (the square in the key GEMM's epilogue, its gradient in the
         value weight's input-gradient GEMM), "interpret" (those kernels interpreted, for tests)
-        or "auto": "pallas" on GPUs under a bf16 compute dtype when the shapes tile, else
+        or "auto": "pallas" on one GPU under a bf16 compute dtype when the shapes tile, else
         "xla". Same math; the kernels round each result once from float32
         (benchmarks/RESULTS.md).
       norm_impl: RWKV-7's block LayerNorms (`ln1`, `ln2`), the `impl` of
         `lwm_jax.ops.layer_norm.layer_norm`: "xla" (autodiff for the backward), "pallas" (one
         kernel each way over the transposed activations), "interpret" (for tests) or "auto":
-        "pallas" on GPUs under a bf16 compute dtype when tokens and channels tile and the
+        "pallas" on one GPU under a bf16 compute dtype when tokens and channels tile and the
         model is at least `ops.layer_norm.AUTO_MIN_CHANNELS` wide, else "xla" (where the
         kernels measured faster: benchmarks/RESULTS.md).
-      On a device mesh that splits only the batch and the sequence (data, fsdp, sequence) the
-      three kernels run per device (`lwm_jax.ops.kernel_choice.on_each_device`); a mesh with
-      a tensor axis keeps XLA's forms ("auto") or refuses "pallas".
+      On a device mesh "auto" keeps XLA's forms (the per-device kernels are not yet measured
+      in a multi-GPU step); "pallas" runs the three kernels per device when the mesh splits
+      only the batch and the sequence (`lwm_jax.ops.kernel_choice.on_each_device`) and is
+      refused on a tensor axis.
     """
 
     wkv_impl: str = "auto"

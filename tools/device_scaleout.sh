@@ -16,8 +16,8 @@
 #   bash tools/device_scaleout.sh dpprof     # profiles of the 1.5B step on 1 and 2 GPUs (exposed NCCL)
 #   bash tools/device_scaleout.sh init       # where the state's init time goes (1.5B, one GPU)
 #   bash tools/device_scaleout.sh kernels    # data parallel on two GPUs: the fused LayerNorm /
-#        GroupNorm / ChannelMix kernels per device (auto) against XLA's forms, both models, and
-#        the per-device kernel test against one device
+#        GroupNorm / ChannelMix kernels per device ("pallas") against "auto" (XLA's forms on a
+#        mesh), both models, and the per-device kernel test against one device
 # On a 4- or 8-GPU machine (nvidia-h200-x4/x8, nvidia-h100-x4/x8), N = the GPUs it has:
 #   bash tools/device_scaleout.sh dpn [MODEL]   # data parallel 1 -> 2 -> 4 (-> 8) GPUs, kept flags
 #   bash tools/device_scaleout.sh fsdpn [MODEL] # FSDP (ZeRO-3): 1 GPU, then 2 -> 4 (-> 8), kept flags
@@ -101,12 +101,15 @@ if [ "$part" = dp ]; then           # `dp 0.1b` or `dp 1.5b`: one model only
     case_ 150 0   1.5b --steps 6
     case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
   fi
-elif [ "$part" = kernels ]; then   # same call: per-device kernels (auto) vs XLA's forms, 2 GPUs
-  XK="runtime.norm_impl=xla runtime.ln_x_impl=xla runtime.ffn_impl=xla"
+elif [ "$part" = kernels ]; then   # same call: per-device kernels ("pallas") vs auto (XLA's forms on a mesh)
+  # the kernels "auto" picks on one GPU: ln_x and ChannelMix at 0.1B (C 768 < the LayerNorm's
+  # AUTO_MIN_CHANNELS), all three at 1.5B
+  K01="runtime.ln_x_impl=pallas runtime.ffn_impl=pallas"
+  K15="runtime.norm_impl=pallas $K01"
   case_ 120 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2
-  case_ 120 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2 $XK
+  case_ 120 0,1 0.1b --steps 8 --set train.batch_size=16 mesh.data=2 $K01
   XLA_FLAGS="$BEST" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2
-  XLA_FLAGS="$BEST" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2 $XK
+  XLA_FLAGS="$BEST" case_ 150 0,1 1.5b --steps 6 --set train.batch_size=4 mesh.data=2 $K15
   timeout 200 python3 -m pytest -q -p no:cacheprovider -m gpu tests/ops/test_kernels_per_device.py \
     2>&1 | tail -3
 elif [ "$part" = overlap ]; then   # same call: 1 GPU, 2 GPUs, 2 GPUs with the flags

@@ -7,8 +7,8 @@ forms.
     "pallas" / "interpret" `group_norm_fused`: the same forward (bit for bit; XLA fuses it with
                            its neighbours) and the Pallas-Triton backward below
                            (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
-    "auto"                 the kernel on GPUs when each device's share fits it
-                           (`kernel_applies`; per device on a mesh that splits tokens only)
+    "auto"                 the kernel on one GPU when the shape fits it (`kernel_applies`);
+                           on a mesh "pallas" runs it per device (`kernel_choice`)
 
 (`impl` is `Runtime.ln_x_impl` in RWKV-7's TimeMix; the rule is `kernel_choice.kernel_chosen`.)
 Statistics are float32 whatever the input dtype, as in `lwm_jax.ops.layer_norm`.
@@ -39,7 +39,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (kernel_chosen, on_each_device, per_device_tokens,
+                                        sharded)
 
 _F32 = jnp.float32
 MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
@@ -59,13 +60,14 @@ def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = N
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
       mesh: the device mesh x (`[B, T, C]` there) is split over as the activations are (None:
-        one device). The kernel runs per device when the mesh splits tokens only; otherwise
-        "auto" keeps XLA's backward and "pallas" is an error.
+        one device). There "auto" keeps XLA's backward; "pallas" runs the kernel per device
+        when the mesh splits tokens only and is an error otherwise.
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
     M = per_device_tokens(mesh, x.shape)
     if kernel_chosen("ln_x_impl", impl, per_device=M is not None, platform=platform,
+                     sharded=sharded(mesh),
                      fits=M is not None and kernel_applies((M, x.shape[-1]), n_groups),
                      kernel="the Pallas GroupNorm backward",
                      needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "

@@ -5,12 +5,11 @@
     "xla"                  `layer_norm_xla`: plain JAX, autodiff for the backward
     "pallas" / "interpret" `layer_norm_fused`: the Pallas-Triton kernels below, forward and
                            backward (`jax.custom_vjp`; "interpret": in the Pallas interpreter)
-    "auto"                 the kernels on GPUs under a bf16 output when each device's tokens
-                           and the channels tile (`kernel_applies`) and C >= `AUTO_MIN_CHANNELS`,
-                           else XLA's
+    "auto"                 the kernels on one GPU under a bf16 output when tokens and channels
+                           tile (`kernel_applies`) and C >= `AUTO_MIN_CHANNELS`, else XLA's
 
 (`impl` is `Runtime.norm_impl` in RWKV-7's blocks; the rule is `kernel_choice.kernel_chosen`;
-on a device mesh the kernels run per device, `kernel_choice.on_each_device`.)
+on a device mesh "pallas" runs them per device, `kernel_choice.on_each_device`.)
 
 Statistics are always float32: the input is upcast, the mean and the (two-pass) variance are
 taken in float32, the weight and bias are applied in float32, and only the result is cast to
@@ -50,7 +49,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (kernel_chosen, on_each_device, per_device_tokens,
+                                        sharded)
 
 _F32 = jnp.float32
 LN_EPS = 1e-5     # RWKV-7's LayerNorm epsilon
@@ -72,9 +72,9 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      mesh: the device mesh x is split over as the activations are (None: one device). The
-        kernels run per device when the mesh splits tokens only; otherwise "auto" keeps
-        XLA's form and "pallas" is an error.
+      mesh: the device mesh x is split over as the activations are (None: one device). There
+        "auto" keeps XLA's form; "pallas" runs the kernels per device when the mesh splits
+        tokens only and is an error otherwise.
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
@@ -83,6 +83,7 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
     M = per_device_tokens(mesh, x.shape)
     if kernel_chosen(
             "norm_impl", impl, per_device=M is not None, platform=platform,
+            sharded=sharded(mesh),
             fits=out_dtype == jnp.bfloat16 and M is not None and kernel_applies(M, C),
             pays=C >= AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
             needs=f"a bf16 compute dtype and tokens x channels {M} x {C} in multiples of the "

@@ -11,9 +11,9 @@
                            pre-activation's gradient `dh * 2 sqrt(h)`
                            (`relu2_matmul_grad_pallas`): one pass over the `[M, F]` hidden
                            layer fewer each way ("interpret": in the Pallas interpreter)
-    "auto"                 the kernels on GPUs under a bf16 compute dtype when each device's
-                           shapes tile (`kernel_applies`; per device on a mesh that splits
-                           tokens only) and no probe is given, else XLA's form
+    "auto"                 the kernels on one GPU under a bf16 compute dtype when the shapes
+                           tile (`kernel_applies`) and no probe is given, else XLA's form; on
+                           a mesh "pallas" runs them per device (`kernel_choice`)
 
 (`impl` is `Runtime.ffn_impl`; the rule is `kernel_choice.kernel_chosen`.) On the kernel path
 the value product and the weight-gradient products stay XLA GEMMs; operands are cast to the
@@ -54,7 +54,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (kernel_chosen, on_each_device, per_device_tokens,
+                                        sharded)
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 BM, BN, BK = 128, 256, 64    # output tile rows / columns, K step
@@ -74,9 +75,9 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      mesh: the device mesh x is split over as the activations are (None: one device). The
-        kernels run per device, the weights whole on each, when the mesh splits tokens only;
-        otherwise "auto" keeps XLA's form and "pallas" is an error.
+      mesh: the device mesh x is split over as the activations are (None: one device). There
+        "auto" keeps XLA's form; "pallas" runs the kernels per device, the weights whole on
+        each, when the mesh splits tokens only and is an error otherwise.
       probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
     Returns:
@@ -88,6 +89,7 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
     M = per_device_tokens(mesh, x_BTC.shape)
     if kernel_chosen(
             "ffn_impl", impl, per_device=M is not None, platform=platform,
+            sharded=sharded(mesh),
             fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None and M is not None
                   and kernel_applies(M, C, F)),
             kernel="the Pallas ChannelMix GEMMs",

@@ -190,10 +190,12 @@ def _fused_forward(head_fn, chunk_tokens, use_l2wrap, mesh, xent_impl, platform,
         scale_Bn = jnp.broadcast_to(valid_n[None, :], tgt_Bn.shape)
         # grad_dtype: what the head's backward products round the cotangent to (x's: the
         # compute dtype); a narrower d_logits is widened for the pullback below, so the same
-        # bits reach the products
+        # bits reach the products. Without gradients the XLA form (its unused d_logits is
+        # dropped by XLA; the kernel would write it)
         lse_Bn, target_Bn, _, _, d_logits = xent(
             logits_BnV, tgt_Bn, scale_Bn, l2wrap=L2WRAP_FACTOR if use_l2wrap else None,
-            grad_dtype=x_BnC.dtype, impl=xent_impl, platform=platform, one_device=one_device)
+            grad_dtype=x_BnC.dtype, impl=xent_impl if with_grad else "xla", platform=platform,
+            one_device=one_device)
         loss_part = jnp.sum((lse_Bn - target_Bn) * weight_Bn)
         if not with_grad:
             return loss_part, None, None

@@ -1,8 +1,8 @@
 """The fused kernels on a device mesh (`lwm_jax.ops.kernel_choice.on_each_device`): LayerNorm,
 GroupNorm and the squared-ReLU MLP run per device inside `shard_map` (the Pallas interpreter on
 8 CPU devices, or the compiled kernels on 2+ GPUs, in a subprocess) and give the one-device
-kernels' values and gradients, the parameters' gradients summed over every device's tokens; a
-tensor axis keeps XLA's forms."""
+kernels' values and gradients, the parameters' gradients summed over every device's tokens;
+"auto" keeps XLA's forms on any mesh (not yet measured faster there) and so does a tensor axis."""
 from __future__ import annotations
 
 import json
@@ -71,11 +71,13 @@ DRIVER = textwrap.dedent("""
             impl, ref_impl = ("auto", "xla") if "tensor" in name else (kernel, kernel)
             ref_val, ref_grads = run(op, ref_impl, None)
             val, grads = run(op, impl, mesh)
-            text = jax.jit(ops[op](impl, mesh)).lower(x, *params[op]).as_text()
+            lowered = lambda i: jax.jit(ops[op](i, mesh)).lower(x, *params[op]).as_text()  # noqa
+            text, auto_text = lowered(impl), lowered("auto")
+            per_device = lambda t: "manual_computation" in t or "shard_map" in t  # noqa: E731
             out[f"{op}/{name}"] = {"val": abs(val - ref_val) / abs(ref_val),
                                    "grads": [rel(g, r) for g, r in zip(grads, ref_grads)],
-                                   "per_device": "manual_computation" in text
-                                                 or "shard_map" in text}
+                                   "per_device": per_device(text),
+                                   "auto_per_device": per_device(auto_text)}
     print("RESULT", json.dumps(out))
 """)
 
@@ -89,6 +91,7 @@ def _run(env):
     for case, r in out.items():
         per_device_expected = "tensor" not in case
         assert r["per_device"] == per_device_expected, (case, r)
+        assert not r["auto_per_device"], (case, r)     # "auto" keeps XLA's forms on a mesh
         # the same per-token work on each device's tokens: only the summation order of the
         # loss and of the parameters' float32 gradients (partials summed over devices) moves
         assert r["val"] < 1e-5, (case, r)

@@ -65,7 +65,8 @@ def block_forward(p: dict, x_BTC, v_first_BTC, state: LayerState, *, first: bool
         mesh's, `lwm_jax.hardware.platform_of`; None: JAX's default devices'): it decides
         which kernels "auto" picks.
       mesh: the device mesh the activations are split over (None: one device); the fused
-        LayerNorm, GroupNorm and ChannelMix kernels run per device on it.
+        LayerNorm, GroupNorm and ChannelMix kernels run per device on it when the runtime
+        asks for them ("pallas").
     Returns:
       `(x_BTC, v_first_BTC, new_state)`; x and v_first in compute dtype, state float32.
     """

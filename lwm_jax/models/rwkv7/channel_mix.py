@@ -3,8 +3,8 @@
 `out = relu(k @ W_key)² @ W_value` with `k = x + (shift(x) - x) * mu_k`, hidden size
 `ffn_mult * C` (4C in RWKV-7). Everything in `policy.compute_dtype`. The MLP is the op
 `lwm_jax.ops.squared_relu_mlp`: `Policy.einsum` products (its float16 form scales the squares
-so they cannot overflow) or, on GPUs under bf16 (`Runtime.ffn_impl`), Pallas GEMMs with the
-square and its gradient inside (per device on a mesh).
+so they cannot overflow) or, on one GPU under bf16 (`Runtime.ffn_impl`), Pallas GEMMs with the
+square and its gradient inside.
 """
 from __future__ import annotations
 
@@ -51,10 +51,9 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
       ffn_impl: `Runtime.ffn_impl`, the `impl` of `lwm_jax.ops.squared_relu_mlp`: "xla"
         (`Policy.einsum` + `squared_relu`), "pallas" / "interpret" (the square inside the key
         GEMM, its gradient inside the value weight's input-gradient GEMM) or "auto" ("pallas"
-        on GPUs under a bf16 compute dtype when each device's shapes tile, no probe; else
-        "xla").
-      mesh: the device mesh the activations are split over (None: one device); the kernels
-        run per device on it.
+        on one GPU under a bf16 compute dtype when the shapes tile, no probe; else "xla").
+      mesh: the device mesh the activations are split over (None: one device); "pallas" runs
+        the kernels per device on it.
       platform: the platform the program is compiled for (None: JAX's default devices').
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.

@@ -166,8 +166,8 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
       wkv_op: the WKV7 function, called as `lwm_jax.ops.wkv7.wkv7` is (None: `wkv7`); e.g. the
         sequence-parallel op bound to a mesh (`RWKV7(..., mesh=)`).
       ln_x_impl: `Runtime.ln_x_impl`, the `impl` of `lwm_jax.ops.group_norm.group_norm`.
-        "auto" takes the Pallas backward on a GPU when each device's share of the shape fits
-        it (on `mesh`, per device).
+        "auto" takes the Pallas backward on one GPU when the shape fits it; "pallas" runs it
+        per device on `mesh`.
       platform: the platform the program is compiled for ("cpu" | "gpu" | "tpu"; None: JAX's
         default devices'): picks the WKV kernel family and "auto"'s kernels.
       mesh: the device mesh the activations are split over (None: one device).
