@@ -204,13 +204,18 @@ def test_lowers_to_triton_for_gpu(chunk, dtype):
 
 def test_sequential_launch_defaults_leave_one_program_per_sm():
     """`resolve`'s measured rule (`benchmarks/wkv7.py sweep`; figures in
-    benchmarks/RESULTS-log.md): the sequential launches take the fewest value columns per program that keep B*H*V/columns programs <= the
-    SM count, and 3 pipeline stages; explicit `Tuning` fields still win."""
+    benchmarks/RESULTS-log.md): the sequential launches take the fewest value columns per program
+    that keep B*H*V/columns programs <= the SM count, except the forward that writes the
+    outputs itself (many heads): the most columns that keep 7/8 of a wave; 3 pipeline stages;
+    explicit `Tuning` fields still win."""
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     big = resolve(None, 32, 64, 64, sm_count=132)        # 1.5B, batch 2: 64 heads
     assert (big.block_v, big.block_v_bwd, big.split_out, big.stages_seq) == (32, 32, True, 3)
     small = resolve(None, 32, 96, 64, sm_count=132)      # 0.1B, batch 8: 96 heads
-    assert (small.block_v, small.block_v_bwd, small.split_out) == (16, 64, False)
+    assert (small.block_v, small.block_v_bwd, small.split_out) == (32, 64, False)
+    many = resolve(None, 32, 512, 64, sm_count=132)      # 16 x 32 heads: 64-column programs
+    assert (many.block_v, many.block_v_bwd, many.split_out) == (64, 64, False)
+    assert resolve(None, 32, 128, 64, sm_count=132).block_v == 64   # 128 >= 7/8 of 132
     long = resolve(None, 32, 32, 64, sm_count=132)       # one long sequence of 32 heads
     assert (long.block_v, long.block_v_bwd) == (16, 32)
     assert resolve(None, 32, 64, 64, sm_count=264).block_v_bwd == 32

@@ -60,7 +60,9 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
 
     Chosen by measurement (benchmarks/NOTES-wkv7.md): C <= 32 wants 4 warps for intra_fwd;
     C = 64 wants 8 warps and the two-launch backward; the chunk-parallel output launch pays off
-    only when the sequential forward has few programs (long T, few heads). C <= 32 uses the
+    only when the sequential forward has few programs (long T, few heads); when it writes
+    the outputs itself it takes the widest value blocks (64, 32, 16 columns) that keep at least
+    7/8 of a wave of programs (2.6x faster than 16 columns at 512 heads). C <= 32 uses the
     stacked one-launch backward with 4 warps (one warpgroup: its 64-row wgmma tiles need no
     more); the row form wanted 8 warps. The sequential launches (one program per head and
     column block, a chain over the chunks) run fastest with 3 pipeline stages and with the
@@ -77,9 +79,12 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     pick = lambda value, default: default if value is None else value
     # outputs split off below two 16-column programs per SM (264 on the H100 / H200 measured)
     split_out = pick(tune.split_out, BH * (V // min(tune.block_v or 16, V)) < 2 * sms)
-    # with outputs the forward keeps 16 columns (more measured no gain at the 0.1B shape, where
-    # they need the output launch as well; benchmarks/wkv7.py sweep, benchmarks/RESULTS-log.md)
-    block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out else 16), V)
+    # with outputs (many heads) the forward takes the widest columns that still leave about a
+    # full wave of programs: each program then reads Q and M once for more columns
+    full_wave = lambda options: next((c for c in options if BH * max(V // c, 1) * 8 >= 7 * sms),
+                                     options[-1])
+    block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out
+                                   else full_wave((64, 32, 16))), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
     if form not in _BWD_FORMS:
         raise ValueError(f"Tuning.bwd_form must be one of {sorted(_BWD_FORMS)}, got {form!r}")
