@@ -74,6 +74,18 @@ def test_split_launch_variants_agree():
     assert max(diffs) < 1e-6, diffs
 
 
+@pytest.mark.parametrize("block_v", [16, 32, 64])
+def test_sequential_forward_with_outputs_value_blocks(pallas_mode, block_v):
+    """The sequential forward writing the outputs itself (no output launch) at each value-block
+    width `resolve` picks for many heads: bf16 inputs at chunk 32, documents and an initial
+    state; outputs, final state and every gradient within bf16 rounding of float64."""
+    args = _problem(10, 2, 96, 2, 64, 64, jnp.bfloat16)
+    out = _run_vjp(*args, chunk=32, interpret=pallas_mode,
+                   tuning=Tuning(split_out=False, block_v=block_v))
+    errs = _errors(*args, *out)
+    assert max(errs.values()) < 5e-3, errs
+
+
 def test_stacked_backward_agrees_with_rows():
     """Stacked backward (TF32 path, so `precision="default"`; the interpreter computes its dots
     in fp32) = row-form backward, with documents, an initial state and K = 32 < 64."""
