@@ -10,6 +10,10 @@
 #                                                    # FLA_S=seconds caps FLA's run, default 420)
 #   bash tools/device_throughput.sh peer-tune MODEL [S] # FLA alone for S seconds (540), to keep its
 #                                                    # autotuning (see peer())
+#   bash tools/device_throughput.sh fla-best MODEL [..] # FLA at its best, then ours, same call:
+#                                                    # tools/device_fla_best.sh (its header: runs
+#                                                    # fused / linear cross-entropy, torch.compile,
+#                                                    # expandable segments, each its own process)
 #
 # FLA's first steps on a fresh machine include minutes of Triton autotuning (1.5B: over 380 s
 # from nothing, 235 s with 22 results restored on 2026-11-25; 0.1B did not finish in 240 s on
@@ -47,7 +51,8 @@ peer() {
   local tuned=.peer/fla_autotune_$(gpu_tag).tgz
   if [ -f "$tuned" ]; then tar -xzf "$tuned" -C "$TRITON_CACHE_DIR" && echo "restored $tuned"; fi
 }
-fla_train() {   # fla_train SECONDS MODEL: FLA's amp train step, rows in $OUT/fla_train.log
+fla_train() {   # fla_train SECONDS MODEL: FLA's amp train step (fla_train.py's defaults: fused
+                # cross-entropy, eager, 30 timed steps), rows in $OUT/fla_train.log
   PYTHONPATH=/tmp/site timeout "$1" python3 -W ignore benchmarks/peers/fla_train.py \
     --models "$2" --modes amp 2>&1 | tee "$OUT/fla_train.log" | grep '^{'
 }
@@ -56,6 +61,8 @@ save_peer_tuning() {
    echo "$(wc -l < /tmp/tuned.list) autotuning results"
    [ -s /tmp/tuned.list ] && tar -czf "$OUT/fla_autotune_$(gpu_tag).tgz" -T /tmp/tuned.list)
 }
+# sourced (tools/device_fla_best.sh takes peer, gpu_tag, save_peer_tuning from here): no part runs
+[ "${BASH_SOURCE[0]}" != "$0" ] && return 0
 mode=${1:-}; shift || true
 case "$mode" in
   prefill)
@@ -77,6 +84,8 @@ case "$mode" in
     peer
     fla_train "${2:-540}" "$model"
     save_peer_tuning ;;
+  fla-best)
+    exec bash "$(dirname "$0")/device_fla_best.sh" "$@" ;;
   precisions)
     python3 benchmarks/train_step.py --precisions fp32-fast fp32 --out "$OUT/ours_precisions.jsonl" "$@" ;;
   reset)
@@ -105,6 +114,6 @@ case "$mode" in
         --out "$OUT/ab_rev.jsonl" "$@"
       python3 benchmarks/train_step.py --models "$model" --out "$OUT/ab_head.jsonl" "$@"
     done ;;
-  *) echo "usage: $0 prefill|profile|train MODEL|peer-tune MODEL|precisions|reset|longest|remat15 [K..]|ab MODEL [train_step.py args]" >&2
+  *) echo "usage: $0 prefill|profile|train MODEL|peer-tune MODEL|fla-best MODEL|precisions|reset|longest|remat15 [K..]|ab MODEL [train_step.py args]" >&2
      exit 2 ;;
 esac
