@@ -33,7 +33,9 @@ def test_preset_table():
         "bf16-mixed": ("float32", "bfloat16", "float32", "default", "none"),
         "fp16-mixed": ("float32", "float16", "float32", "default", "dynamic"),
         "bf16": ("bfloat16", "bfloat16", "float32", "default", "none"),
+        "fp8-mixed": ("float32", "bfloat16", "float32", "default", "none"),
     }
+    assert {n for n, p in PRESETS.items() if p.gemm == "fp8"} == {"fp8-mixed"}
 
 
 def test_key_value_strings_and_defaults():

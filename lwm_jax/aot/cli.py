@@ -15,10 +15,30 @@ import json
 import sys
 
 from lwm_jax.aot.plan import GiB, Plan, compile_plan
+from lwm_jax.precision import parse_policy
 
 
 def _gib(n: float | None) -> str:
     return "n/a" if n is None else f"{n / GiB:.2f} GiB"
+
+
+def policy_of(plan: Plan):
+    return parse_policy(plan.cfg.precision)
+
+
+def fp8_line(operands: dict[str, int], device_kind: str) -> str:
+    """One line on an FP8 policy's compiled train step: how many of its matmuls the compiler
+    kept with float8 operands (each FP8 GEMM is three: forward, two gradients)."""
+    total = sum(operands.values())
+    fp8 = sum(n for k, n in operands.items() if "f8" in k)
+    if not operands:
+        return "FP8 GEMMs: this backend gives no HLO text to count them"
+    if fp8 == 0:
+        return (f"FP8 GEMMs: none of the {total} matmuls kept float8 operands on {device_kind} "
+                "(the compiler widened them: the policy costs FP8's accuracy for no speed here)")
+    return (f"FP8 GEMMs: {fp8} of {total} matmuls take float8 operands on {device_kind} (e4m3 "
+            "forward, e5m2 gradients; whether this chip multiplies FP8 natively is not "
+            "measured by a compile)")
 
 
 def describe(plan: Plan, compile_label: str) -> list[str]:
@@ -53,6 +73,8 @@ def describe(plan: Plan, compile_label: str) -> list[str]:
             lines.append(f"    {label:<32}{_gib(n):>12}")
         share = f" of {_gib(hbm)} ({100 * mem['peak'] / hbm:.1f}%)" if hbm else ""
         lines.append(f"    {'total per chip':<32}{_gib(mem['peak']):>12}{share}")
+        if policy_of(plan).fp8 and step is plan.train:
+            lines.append(f"    {fp8_line(step.matmul_operands, plan.device_kind)}")
         if step.flops is not None:
             lines.append(f"    XLA cost analysis per chip: {step.flops / 1e12:.3f} TFLOP, "
                          f"{(step.bytes_accessed or 0) / 1e9:.2f} GB accessed (each loop body "

@@ -52,13 +52,16 @@ GiB = 2**30
 @dataclasses.dataclass
 class StepPlan:
     """One compiled step. `memory`: `preflight.step_bytes` (bytes per device); `flops`,
-    `bytes_accessed`: XLA's cost analysis per device (loop bodies once; None if not reported)."""
+    `bytes_accessed`: XLA's cost analysis per device (loop bodies once; None if not reported);
+    `matmul_operands`: the compiled program's matmuls counted by operand types
+    (`matmul_operand_types`), e.g. `{"bf16 x bf16": 20, "f8e4m3fn x f8e4m3fn": 6}`."""
 
     name: str
     compile_s: float
     memory: dict[str, int] | None
     flops: float | None
     bytes_accessed: float | None
+    matmul_operands: dict[str, int] = dataclasses.field(default_factory=dict)
     compiled: Any = dataclasses.field(repr=False, default=None)
     lowered: Any = dataclasses.field(repr=False, default=None)
 
@@ -112,7 +115,7 @@ class Plan:
             if s is None:
                 return None
             return {"compile_s": round(s.compile_s, 2), "memory": s.memory, "flops": s.flops,
-                    "bytes_accessed": s.bytes_accessed}
+                    "bytes_accessed": s.bytes_accessed, "matmul_operands": s.matmul_operands}
         est = dataclasses.asdict(self.estimate) if self.estimate is not None else None
         return {"config": self.cfg.name, "target": self.target, "devices": self.devices,
                 "slices": self.slices, "platform": self.platform,
@@ -168,8 +171,29 @@ def _compile(name: str, lowered, cfg: RunConfig, target: str, kind: str) -> Step
         cost = {}
     if isinstance(cost, (list, tuple)):   # older jax: one dict per computation
         cost = cost[0] if cost else {}
+    try:
+        operands = matmul_operand_types(compiled.as_text())
+    except Exception:                     # a backend without HLO text: nothing to count
+        operands = {}
     return StepPlan(name, compile_s, step_bytes(compiled), cost.get("flops"),
-                    cost.get("bytes accessed"), compiled, lowered)
+                    cost.get("bytes accessed"), operands, compiled, lowered)
+
+
+_HLO_TYPE = re.compile(r"%(\S+) = \(?([a-z]+[0-9a-z]*)\[")
+_HLO_MATMUL = re.compile(r"= \S+?\[[^\]]*\]\S* (?:dot|convolution)\(%(\S+?), %(\S+?)\)")
+
+
+def matmul_operand_types(hlo_text: str) -> dict[str, int]:
+    """Count the `dot` / `convolution` instructions of compiled HLO text by their two
+    operands' element types ("f8e4m3fn x f8e4m3fn"): which matmuls the compiler kept in FP8
+    (an FP8 policy's block GEMMs) and which it runs in wider types. Each instruction of the
+    text once (a loop body's matmul counts once)."""
+    types = {m.group(1): m.group(2) for m in _HLO_TYPE.finditer(hlo_text)}
+    counts: dict[str, int] = {}
+    for m in _HLO_MATMUL.finditer(hlo_text):
+        key = f"{types.get(m.group(1), '?')} x {types.get(m.group(2), '?')}"
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _estimate(cfg: RunConfig, n_params: int, n_devices: int, chip: ChipSpec | None,
@@ -222,7 +246,7 @@ def compile_plan(cfg: RunConfig, devices: list, *, target: str | None = None,
     if with_eval:
         eval_tokens = jax.ShapeDtypeStruct((t.batch_size, t.ctx_len + 1), jnp.int32,
                                            sharding=tokens_sharding(prog.mesh))
-        ev = _compile("eval step", prog.eval_step.lower(state.params, eval_tokens), cfg,
+        ev = _compile("eval step", prog.eval_step.lower(state.params, state.fp8, eval_tokens), cfg,
                       target, what)
     n_params = count_params(prog.abstract_state.params)
     params_b = _per_device_bytes(state.params)

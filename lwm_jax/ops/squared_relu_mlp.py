@@ -65,7 +65,7 @@ _F32 = jnp.float32
 
 
 def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
-                     platform: str | None = None, mesh=None, probe=None):
+                     platform: str | None = None, mesh=None, probe=None, fp8_metas=None):
     """`relu(x @ key)² @ value` in `policy.compute_dtype`, as `impl` says.
 
     Args:
@@ -80,6 +80,9 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
         each, when the mesh splits tokens only and is an error otherwise.
       probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
+      fp8_metas: `(key meta, value meta)` under an FP8 policy (`lwm_jax.precision.fp8`): both
+        products run as FP8 GEMMs in XLA's form (the kernels have no FP8 path; "auto" then
+        picks XLA's form).
     Returns:
       `[B, T, C]` in `policy.compute_dtype`.
     """
@@ -91,10 +94,10 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
             "ffn_impl", impl, per_device=M is not None, platform=platform,
             sharded=sharded(mesh),
             fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None and M is not None
-                  and kernel_applies(M, C, F)),
+                  and fp8_metas is None and kernel_applies(M, C, F)),
             kernel="the Pallas ChannelMix GEMMs",
-            needs=f"a bf16 compute dtype, no probe and tokens x channels x hidden {B * T} x "
-                  f"{C} x {F} in multiples of the kernel tiles "
+            needs=f"a bf16 compute dtype (not FP8 GEMMs), no probe and tokens x channels x "
+                  f"hidden {B * T} x {C} x {F} in multiples of the kernel tiles "
                   "(ops.squared_relu_mlp.kernel_applies)"):
         def local(x, key, value):
             b, t, _ = x.shape
@@ -103,12 +106,13 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
             return out.astype(cd).reshape(b, t, C)
         out = on_each_device(local, mesh, x_BTC, key_CF, value_FC)
         return checkpoint_name(out, MATMUL_OUTPUT_NAME)
-    pre = policy.einsum("btc,cf->btf", x_BTC, key_CF)
+    key_meta, value_meta = fp8_metas or (None, None)
+    pre = policy.einsum("btc,cf->btf", x_BTC, key_CF, fp8_meta=key_meta)
     if jnp.dtype(cd) == jnp.float16:
         hidden, out = _squared_relu_fp16(policy, jax.nn.relu(pre), value_FC)
     else:
         hidden = squared_relu(pre)
-        out = policy.einsum("btf,fc->btc", hidden, value_FC)
+        out = policy.einsum("btf,fc->btc", hidden, value_FC, fp8_meta=value_meta)
     if probe is not None:
         probe("hidden", hidden)
         probe("out", out)

@@ -13,6 +13,13 @@ Presets (names accepted by `parse_policy`):
 | `bf16-mixed` | f32    | bf16    | f32    | default   | high       | none       |
 | `fp16-mixed` | f32    | f16     | f32    | default   | high       | dynamic    |
 | `bf16`       | bf16   | bf16    | f32    | default   | high       | none       |
+| `fp8-mixed`  | f32    | bf16    | f32    | default   | high       | none       |
+
+`fp8-mixed` is `bf16-mixed` whose block GEMMs (the projections that own an FP8 meta: RWKV-7's
+time-mix r/k/v/output and channel-mix key/value; the LLaMA and hybrid models refuse FP8
+policies until theirs are wired) run as FP8 GEMMs with delayed scaling (`fp8.fp8_einsum`: e4m3 operands forward, e5m2 output gradient backward,
+float32 accumulation); every other matmul, the LM head and the fp32 islands stay as in
+`bf16-mixed`.
 
 The WKV matmul precision is the precision of the chunked WKV7's in-chunk products (its state
 and accumulation are fp32 always): `high` is TF32 on GPU (the kernel's measured accuracy is at
@@ -27,9 +34,10 @@ interpreter) compute it as `highest`.
 `fp32` is true IEEE fp32 even on TPU and H100 (`highest` = no bf16 passes, no TF32).
 `fp32-fast` keeps fp32 storage but lets XLA use its default (bf16 passes on TPU, TF32 on GPU).
 
-Levanter/jmp-style strings are accepted too: `p=f32,c=bf16[,o=f32][,m=highest][,w=high][,s=dynamic]`
+Levanter/jmp-style strings are accepted too: `p=f32,c=bf16[,o=f32][,m=highest][,w=high][,s=dynamic][,g=fp8]`
 (keys p=param, c=compute, o=output, m=matmul precision, w=WKV matmul precision (default: highest
-when m=highest, else high), s=loss scale).
+when m=highest, else high), s=loss scale, g=the block GEMMs' format: `compute` (default) or
+`fp8`, which needs c=bf16 and no loss scale).
 
 Whatever the policy, the fp32 islands (RWKV-7 decay, WKV state, norm statistics, `kk`
 normalisation, logits and loss, optimizer moments) are computed in float32 by the modules that
@@ -53,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lwm_jax.precision import bf16_split
+from lwm_jax.precision import bf16_split, fp8
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 DTYPES: dict[str, Any] = {
@@ -64,6 +72,7 @@ DTYPES: dict[str, Any] = {
 MATMUL_PRECISIONS = ("default", "high", "highest")
 WKV_PRECISIONS = MATMUL_PRECISIONS + ("tf32x3",)
 LOSS_SCALES = ("none", "dynamic")
+GEMM_FORMATS = ("compute", "fp8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,6 +91,8 @@ class Policy:
       wkv_precision: precision name of the WKV7 op's in-chunk matmuls (passed to
         `lwm_jax.ops.wkv7.wkv7(..., precision=)`, one of `WKV_PRECISIONS`); None = "highest" if
         `matmul_precision` is "highest", else "high".
+      gemm: the block GEMMs' format, one of `GEMM_FORMATS`: "compute" (the compute dtype) or
+        "fp8" (`fp8.fp8_einsum` at every `einsum` given an FP8 meta).
     """
 
     name: str
@@ -91,6 +102,7 @@ class Policy:
     matmul_precision: str = "highest"
     loss_scale: str = "none"
     wkv_precision: str | None = None
+    gemm: str = "compute"
 
     def __post_init__(self):
         if self.wkv_precision is None:
@@ -105,6 +117,19 @@ class Policy:
         if self.loss_scale not in LOSS_SCALES:
             raise ValueError(f"precision policy {self.name!r}: loss scale {self.loss_scale!r} "
                              f"is not one of {LOSS_SCALES}")
+        if self.gemm not in GEMM_FORMATS:
+            raise ValueError(f"precision policy {self.name!r}: GEMM format {self.gemm!r} is not "
+                             f"one of {GEMM_FORMATS}")
+        if self.gemm == "fp8" and (jnp.dtype(self.compute_dtype) != jnp.bfloat16
+                                   or self.loss_scale != "none"):
+            raise ValueError(f"precision policy {self.name!r}: g=fp8 needs c=bf16 and no loss "
+                             "scale (FP8 GEMMs scale each tensor themselves); use 'fp8-mixed' "
+                             "or p=f32,c=bf16,g=fp8")
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the block GEMMs given an FP8 meta run as FP8 GEMMs."""
+        return self.gemm == "fp8"
 
     @property
     def lax_precision(self) -> jax.lax.Precision:
@@ -120,14 +145,21 @@ class Policy:
     def cast_to_output(self, x):
         return _cast_floats(x, self.output_dtype)
 
-    def einsum(self, spec: str, *operands, out_dtype=None):
+    def einsum(self, spec: str, *operands, out_dtype=None, fp8_meta=None):
         """`jnp.einsum` with operands in `compute_dtype` and this policy's explicit precision.
 
         Accumulation is fp32 on every backend (`preferred_element_type=float32`); the result is
         returned in `out_dtype` (default: `compute_dtype`). With a 16-bit compute dtype the
-        backward products run in it too (see `_low_precision_einsum`), not in float32.
+        backward products run in it too (see `_low_precision_einsum`), not in float32. Under
+        an FP8 policy (`gemm="fp8"`) a call given its site's `fp8_meta` runs as an FP8 GEMM
+        (`fp8.fp8_einsum`); elsewhere `fp8_meta` is ignored.
         """
         out_dtype = self.compute_dtype if out_dtype is None else out_dtype
+        if fp8_meta is not None and self.fp8:
+            _einsum_terms(spec)
+            y = fp8.fp8_einsum(spec, *operands, fp8_meta, compute_dtype=self.compute_dtype,
+                               out_dtype=out_dtype)
+            return checkpoint_name(y, MATMUL_OUTPUT_NAME)
         if len(operands) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
             _einsum_terms(spec)               # a spec the custom backward cannot transpose
             y = _low_precision_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
@@ -336,10 +368,12 @@ PRESETS: dict[str, Policy] = {
     "fp16-mixed": Policy("fp16-mixed", jnp.float32, jnp.float16, jnp.float32, "default",
                          "dynamic"),
     "bf16": Policy("bf16", jnp.bfloat16, jnp.bfloat16, jnp.float32, "default"),
+    "fp8-mixed": Policy("fp8-mixed", jnp.float32, jnp.bfloat16, jnp.float32, "default",
+                        gemm="fp8"),
 }
 
 _KEYS = {"p": "param_dtype", "c": "compute_dtype", "o": "output_dtype",
-         "m": "matmul_precision", "w": "wkv_precision", "s": "loss_scale"}
+         "m": "matmul_precision", "w": "wkv_precision", "s": "loss_scale", "g": "gemm"}
 
 
 def parse_policy(spec: str | Policy) -> Policy:
@@ -364,7 +398,7 @@ def parse_policy(spec: str | Policy) -> Policy:
         if not sep or key not in _KEYS:
             raise ValueError(f"precision: bad part {part.strip()!r} in {spec!r}; keys are "
                              "p=param, c=compute, o=output dtype, m=matmul precision, w=WKV matmul "
-                             "precision, s=loss scale")
+                             "precision, s=loss scale, g=GEMM format")
         field = _KEYS[key]
         if field in fields:
             raise ValueError(f"precision: key {key}= given twice in {spec!r}")

@@ -13,6 +13,8 @@ from typing import Any, Callable
 import jax
 from flax import nnx
 
+from lwm_jax.precision.fp8 import Fp8Meta
+
 
 def path_str(keypath) -> str:
     """`(DictKey('blocks'), DictKey('w0'))` -> `"blocks/w0"`."""
@@ -27,16 +29,20 @@ def path_str(keypath) -> str:
     return "/".join(parts)
 
 
-def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict[str, tuple]]:
-    """Split an (abstract or concrete) model into (graphdef, params pure dict, axes by path).
+def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict[str, tuple], dict | None]:
+    """Split an (abstract or concrete) model into (graphdef, params pure dict, axes by path,
+    FP8 metas pure dict or None).
 
-    The model must hold only `nnx.Param` state (RWKV-7 has no other variables); anything else
-    is a one-line error rather than state silently dropped from checkpoints.
+    The model must hold only `nnx.Param` state and, under an FP8 policy, `Fp8Meta` state (the
+    GEMMs' scaling state, trained by overwriting, checkpointed with the params); anything else
+    is a one-line error rather than state silently dropped from checkpoints. `merge_model`
+    rebuilds the module from the same pieces.
     """
-    graphdef, params_state, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, params_state, metas, rest = nnx.split(model, nnx.Param, Fp8Meta, ...)
     if jax.tree.leaves(rest):
         raise ValueError(f"model: holds non-Param state {list(nnx.to_flat_state(rest))[:3]}...; "
-                         "the trainer only trains and checkpoints nnx.Param")
+                         "the trainer only trains and checkpoints nnx.Param (and Fp8Meta)")
+    fp8 = nnx.to_pure_dict(metas) if jax.tree.leaves(metas) else None
     axes: dict[str, tuple] = {}
     for path, var in nnx.to_flat_state(params_state):
         name = "/".join(str(p) for p in path)
@@ -48,7 +54,30 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, dict, dict[str, tuple]
             raise ValueError(f"model parameter {name}: logical_axes {logical} has {len(logical)} "
                              f"names for a {ndim}-D array")
         axes[name] = tuple(logical)
-    return graphdef, nnx.to_pure_dict(params_state), axes
+    return graphdef, nnx.to_pure_dict(params_state), axes, fp8
+
+
+def merge_model(graphdef: nnx.GraphDef, params: dict, fp8: dict | None) -> nnx.Module:
+    """The module of `split_model`'s graphdef with these params (and FP8 metas, if any)."""
+    if fp8 is None:
+        return nnx.merge(graphdef, params, {}, {})
+    return nnx.merge(graphdef, params, fp8, {})
+
+
+def model_variables(params: dict, fp8: dict | None) -> dict:
+    """One nested dict of every variable of the model: `params` with the FP8 metas (same
+    nesting, `fp8_*` leaves) merged in; `params` itself when there are none. What
+    `nnx.merge(nnx.split(model)[0], ...)` takes for a model that holds both."""
+    if fp8 is None:
+        return params
+
+    def merge(a, b):
+        out = dict(a)
+        for key, value in b.items():
+            out[key] = merge(out[key], value) if isinstance(value, dict) and key in out \
+                else value
+        return out
+    return merge(params, fp8)
 
 
 def map_with_names(fn: Callable[[str, Any], Any], tree: Any) -> Any:

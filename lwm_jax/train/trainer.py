@@ -42,7 +42,8 @@ from lwm_jax.train.profiling import PROFILE_DIR, StepWindowProfiler
 from lwm_jax.train.trackers import check_trackers, make_trackers
 from lwm_jax.train.optimizer import lr_schedule, make_optimizer
 from lwm_jax.train.preflight import compile_step
-from lwm_jax.train.params import count_params, split_model
+from lwm_jax.precision.fp8 import largest_amax
+from lwm_jax.train.params import count_params, model_variables, split_model
 from lwm_jax.train.sharding import (make_mesh, param_shardings, replicated, shard_like_params,
                                     tokens_sharding)
 from lwm_jax.train.signals import StopRequest
@@ -72,7 +73,7 @@ class TrainProgram:
 
     Benchmarks and diagnostics build their step here so that they time and test exactly what
     `train` runs. `train_step(state, tokens) -> (state, metrics)` donates `state`;
-    `eval_step(params, tokens_BT1) -> loss`.
+    `eval_step(params, fp8_metas, tokens_BT1) -> loss` (`fp8_metas`: the state's `fp8`).
     """
 
     cfg: RunConfig
@@ -114,14 +115,14 @@ def build_program(cfg: RunConfig, devices: list | None = None) -> TrainProgram:
     build = lambda: model_cls(cfg.model, policy, runtime=cfg.runtime, mesh=mesh,  # noqa: E731
                               rngs=nnx.Rngs(t.seed))
     abstract_model = nnx.eval_shape(build)
-    graphdef, abstract_params, axes = split_model(abstract_model)
+    graphdef, abstract_params, axes, _ = split_model(abstract_model)
     tx = make_optimizer(t, abstract_params, axes)
     lr_at = lr_schedule(t)
 
     def fresh_state() -> TrainState:
-        _, params, _ = split_model(build())
+        _, params, _, fp8_metas = split_model(build())
         return TrainState(jnp.zeros([], jnp.int32), params, tx.init(params),
-                          loss_scale_for(policy), jax.random.PRNGKey(t.seed))
+                          loss_scale_for(policy), jax.random.PRNGKey(t.seed), fp8_metas)
 
     abstract_state = jax.eval_shape(fresh_state)
     params_sh = param_shardings(abstract_params, axes, mesh)
@@ -245,9 +246,10 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     eval_tokens_sh = tokens_sharding(mesh)
     V = cfg.model.vocab_size
 
-    def evaluate(params) -> float:
-        losses = [eval_step(params, batches.to_global(val.batch_at(i), eval_tokens_sh,
-                                                      t.batch_size, vocab_size=V))
+    def evaluate(state) -> float:
+        losses = [eval_step(state.params, state.fp8,
+                            batches.to_global(val.batch_at(i), eval_tokens_sh, t.batch_size,
+                                              vocab_size=V))
                   for i in range(n_eval)]
         return float(jnp.mean(jnp.stack(losses)))
 
@@ -275,7 +277,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
                                   enabled=primary)
     val_loss, last_eval = None, None
     if val is not None and latest is None and t.eval_every > 0:
-        val_loss, last_eval = evaluate(state.params), 0
+        val_loss, last_eval = evaluate(state), 0
         logger.log_eval(0, val_loss)
 
     step, stopped_by, logged, diagnosis = start, None, None, None
@@ -299,7 +301,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
             logger.log_train(step, metrics)
             logged = step
         if val is not None and t.eval_every > 0 and step % t.eval_every == 0:
-            val_loss, last_eval = evaluate(state.params), step
+            val_loss, last_eval = evaluate(state), step
             logger.log_eval(step, val_loss)
             logger.reset_timer(step)          # tokens/s measures training steps only
         if cfg.checkpoint.every > 0 and step % cfg.checkpoint.every == 0:
@@ -312,7 +314,10 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
     if step > start and logged != step:        # stopped early by a signal or divergence
         logger.log_train(step, metrics)
     if stopped_by == "non-finite":
-        diagnosis = _diagnose(cfg, policy, state.params, watch, t.max_consecutive_skips)
+        diagnosis = _diagnose(cfg, policy, model_variables(state.params, state.fp8), watch,
+                              t.max_consecutive_skips)
+        if state.fp8 is not None:
+            diagnosis += f"; {largest_amax(jax.device_get(state.fp8))}"
     # Final checkpoint (also on a stop signal); the signal handlers stay installed until
     # it is on disk, so a second SIGTERM cannot interrupt the save.
     with _metrics_kept(logger, None, None, None):
@@ -320,7 +325,7 @@ def _train_locked(cfg: RunConfig, run_dir: str, stop: StopRequest, progress: boo
         ckpt.close()
 
     if val is not None and stopped_by is None and last_eval != step:
-        val_loss = evaluate(state.params)
+        val_loss = evaluate(state)
         logger.log_eval(step, val_loss)
     logger.close()
     if primary and logger.path is not None:
@@ -349,7 +354,8 @@ def _metrics_kept(logger: MetricsLogger, step, metrics, logged):
 
 def _diagnose(cfg: RunConfig, policy, params, watch: SkipWatch, limit: int) -> str:
     """One line: why the run stopped and the first op with a non-finite value on the last
-    skipped batch (a probed forward with the current, finite parameters)."""
+    skipped batch (a probed forward with the current, finite parameters and, under an FP8
+    policy, the current scaling state: `params` is `model_variables`' merged dict)."""
     bad_step, tokens = watch.last_bad
     head = (f"stopped: {limit} steps in a row had a non-finite loss or gradient and were "
             f"skipped (parameters unchanged; last at step {bad_step})")

@@ -101,8 +101,8 @@ def test_packed_documents_train_like_separate_documents(family):
     # eval step: equal with resets; without them the documents see each other
     whole = jax.sharding.NamedSharding(on.mesh, jax.sharding.PartitionSpec())
     batch = jax.device_put(tokens, whole)
-    assert float(on.eval_step(params, batch)) == pytest.approx(want, rel=1e-5)
-    assert abs(float(off.eval_step(params, batch)) - want) > 1e-4 * want     # 10x the tolerance
+    assert float(on.eval_step(params, None, batch)) == pytest.approx(want, rel=1e-5)
+    assert abs(float(off.eval_step(params, None, batch)) - want) > 1e-4 * want     # 10x the tolerance
 
     # train step, two micro-batches of one row: same loss, same gradient
     new_state, metrics = on.train_step(state, jax.device_put(tokens.reshape(2, 1, T + 1), whole))
@@ -144,7 +144,7 @@ DRIVER = textwrap.dedent("""
                                jnp.asarray(tokens[:, 1:])))
     plain = float(cross_entropy(one(x), jnp.asarray(tokens[:, 1:])))
     batch = jax.device_put(tokens, tokens_sharding(prog.mesh))
-    got_eval = float(prog.eval_step(state.params, batch))
+    got_eval = float(prog.eval_step(state.params, state.fp8, batch))
     print(json.dumps({"want": want, "plain": plain, "eval": got_eval,
                       "devices": jax.device_count(), "seq_parallel": prog.mesh.shape["sequence"]}))
 """)

@@ -3,6 +3,8 @@ checkpoint, skipped steps are counted, and a run whose steps keep failing stops 
 naming the first op that produced a non-finite value."""
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,8 +28,10 @@ SMALL = ["model.n_layer=2", "model.n_embd=64", "train.ctx_len=32", "train.batch_
 DIVERGE = [*SMALL, "train.lr=1000", "train.min_lr=1000", "train.steps=40"]
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "fp8-mixed"])
 def test_a_nonfinite_step_changes_nothing_but_the_counters(precision):
+    """A skipped step keeps the params, the moments and, under fp8-mixed, the FP8 GEMMs'
+    scaling state (a non-finite amax never enters it)."""
     prog = build_program(load_config(None, [*SMALL, f"precision={precision}"]))
     state = prog.init_state()
     good = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 256)
@@ -41,8 +45,9 @@ def test_a_nonfinite_step_changes_nothing_but_the_counters(precision):
     assert float(m["finite"]) == 0 and float(m["skipped_steps"]) == 1
     assert int(state.step) == 2
     after = jax.device_get(state)
-    for x, y in zip(jax.tree.leaves((before.params, before.opt_state)),
-                    jax.tree.leaves((after.params, after.opt_state))):
+    assert (before.fp8 is None) == (precision != "fp8-mixed")
+    for x, y in zip(jax.tree.leaves((before.params, before.opt_state, before.fp8)),
+                    jax.tree.leaves((after.params, after.opt_state, after.fp8))):
         np.testing.assert_array_equal(x, y)
     state, m = prog.train_step(state, good)          # training goes on from the same params
     assert float(m["finite"]) == 1 and float(m["skipped_steps"]) == 1
@@ -86,6 +91,22 @@ def test_diverging_run_stops_names_the_op_and_checkpoints_only_finite_params(tmp
                      f"run_dir={tmp_path / 'cli'}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 3 and len(err) == 1 and err[0].startswith("lwm-jax train: error: stopped: ")
+
+
+def test_diverging_fp8_run_names_the_op_and_the_largest_fp8_amax(tmp_path):
+    """Under fp8-mixed an inf inside a GEMM input (the loss stays finite: quantization clips
+    it) fails the step like a non-finite loss; the localiser runs with the run's FP8 scaling
+    state; the line also names the FP8 tensor whose amax grew most; the checkpointed scaling
+    state is finite."""
+    cfg = load_config(None, [*DIVERGE, "precision=fp8-mixed", "train.max_consecutive_skips=3",
+                             f"run_dir={tmp_path / 'run'}"])
+    result = train(cfg, progress=False)
+    assert result.stopped_by == "non-finite"
+    assert "the forward re-run that localises it failed" not in result.diagnosis
+    assert re.search(r"largest FP8 amax [0-9.e+]+: blocks/(att|ffn)/fp8_\w+ layer \d",
+                     result.diagnosis), result.diagnosis
+    assert "\n" not in result.diagnosis
+    assert all(np.isfinite(np.asarray(m)).all() for m in jax.tree.leaves(result.state.fp8))
 
 
 def test_checkpointer_refuses_nonfinite_params(tmp_path):

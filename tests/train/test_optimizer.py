@@ -29,7 +29,7 @@ def rel(a, b):
 def test_weight_decay_groups_on_the_rwkv7_model():
     cfg = load_config(None, ["model.n_layer=2", "model.n_embd=64"]).model
     model = nnx.eval_shape(lambda: RWKV7(cfg, "fp32", rngs=nnx.Rngs(0)))
-    _, params, axes = split_model(model)
+    _, params, axes, _ = split_model(model)
     decayed = {n for n, a in axes.items() if wants_weight_decay(n, a)}
     assert decayed == {"emb", "head", "blocks/att/receptance", "blocks/att/key",
                        "blocks/att/value", "blocks/att/output", "blocks/ffn/key",
@@ -158,7 +158,7 @@ def _tiny_step_setup(precision="fp32", grad_accum=1):
                              f"precision={precision}", "train.warmup_steps=0"])
     policy = parse_policy(cfg.precision)
     model = RWKV7(cfg.model, policy, rngs=nnx.Rngs(0))
-    graphdef, params, axes = split_model(model)
+    graphdef, params, axes, _ = split_model(model)
     tx = make_optimizer(cfg.train, params, axes)
     mesh = make_mesh({"data": 1, "fsdp": 1, "tensor": 1, "sequence": 1})
     state = TrainState(jnp.zeros([], jnp.int32), params, tx.init(params), loss_scale_for(policy),

@@ -116,6 +116,9 @@ class RWKVHybrid(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
+        if self.policy.fp8:
+            raise ValueError(f"{type(self).__name__}: precision {self.policy.name!r} has FP8 block "
+                             "GEMMs, which only the RWKV-7 model wires so far; use 'bf16-mixed'")
         c, pd = self.cfg, self.policy.param_dtype
         rwkv_cfg = dataclasses.replace(_rwkv_config(c), n_layer=len(c.rwkv_layers))
         self.emb = nnx.Param(init.embedding(rngs.params(), c.vocab_size, c.n_embd, pd),

@@ -91,6 +91,9 @@ class Llama(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
+        if self.policy.fp8:
+            raise ValueError(f"{type(self).__name__}: precision {self.policy.name!r} has FP8 block "
+                             "GEMMs, which only the RWKV-7 model wires so far; use 'bf16-mixed'")
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.embed = nnx.Param(normal(rngs.params(), (V, C), INIT_STD, pd),
                                logical_axes=("vocab", "embed"))

@@ -16,6 +16,7 @@ from lwm_jax.layers.shift import token_shift
 from lwm_jax.models.rwkv7 import init
 from lwm_jax.ops.squared_relu_mlp import squared_relu_mlp
 from lwm_jax.precision import param_mul
+from lwm_jax.precision.fp8 import Fp8Meta, init_meta
 
 
 class ChannelMix(nnx.Module):
@@ -25,6 +26,8 @@ class ChannelMix(nnx.Module):
       x_k: `[L, C]` token-shift mix, init `1 - (n / C) ** (ratio1 ** 4)` (layers, embed).
       key: `[L, C, F]` (layers, embed, mlp), orthogonal gain 1.
       value: `[L, F, C]` (layers, mlp, embed), init 0.
+      fp8_key, fp8_value: under an FP8 policy only, `Fp8Meta` `[L, 3, 1 + history]`, the
+        delayed-scaling state of the two GEMMs (`lwm_jax.precision.fp8`; not parameters).
     """
 
     def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
@@ -35,6 +38,10 @@ class ChannelMix(nnx.Module):
         self.key = nnx.Param(init.orthogonal(rngs.params(), (L, C, F), init.GAINS["ffn_key"], pd),
                              logical_axes=("layers", "embed", "mlp"))
         self.value = nnx.Param(jnp.zeros((L, F, C), pd), logical_axes=("layers", "mlp", "embed"))
+        if policy.fp8:
+            for name in ("key", "value"):
+                setattr(self, f"fp8_{name}", Fp8Meta(init_meta(stack=(L,)),
+                                                     logical_axes=("layers", None, None)))
 
 
 @jax.named_scope("channel_mix")
@@ -62,5 +69,6 @@ def channel_mix_forward(p: dict, x_BTC, shift_BC, *, policy, segment_ids_BT=None
     x = x_BTC.astype(cd)
     xx = token_shift(x, shift_BC, segment_ids_BT) - x
     k = x + param_mul(xx, p["x_k"])       # x_k's gradient summed in float32
+    fp8 = (p["fp8_key"], p["fp8_value"]) if "fp8_key" in p else None
     return squared_relu_mlp(k, p["key"], p["value"], policy=policy, impl=ffn_impl,
-                            platform=platform, mesh=mesh, probe=probe)
+                            platform=platform, mesh=mesh, probe=probe, fp8_metas=fp8)

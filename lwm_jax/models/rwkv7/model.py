@@ -62,6 +62,7 @@ from lwm_jax.layers.layout import pin_activation
 from lwm_jax.layers.norms import LayerNorm
 from lwm_jax.ops.layer_norm import layer_norm
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
+from lwm_jax.precision.fp8 import Fp8Meta
 from lwm_jax.remat_names import WKV7_OUTPUT_NAME, WKV7_RESIDUALS_NAME
 from lwm_jax.runtime import Runtime
 
@@ -193,7 +194,9 @@ class RWKV7(nnx.Module):
                            out_dtype=self.policy.compute_dtype)
         tap("ln0", x)
 
-        params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
+        # parameters and, under an FP8 policy, the GEMMs' scaling state (`Fp8Meta`): both
+        # stacked over layers, both inputs of the differentiated step
+        params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Any(nnx.Param, Fp8Meta)))
         states = LayerState(state.tmix_shift, state.cmix_shift, state.wkv)
         x, new = self._run_blocks(params, x, states, segment_ids, probe)
 

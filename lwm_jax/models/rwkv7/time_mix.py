@@ -31,9 +31,11 @@ from lwm_jax.models.rwkv7 import init
 from lwm_jax.ops.group_norm import group_norm
 from lwm_jax.ops.wkv7 import wkv7
 from lwm_jax.precision import param_add, param_mul
+from lwm_jax.precision.fp8 import Fp8Meta, init_meta
 from lwm_jax.remat_names import WKV7_OUTPUT_NAME
 
 MIX_NAMES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")
+FP8_GEMMS = ("receptance", "key", "value", "output")    # FP8 under an FP8 policy
 VECTOR_NAMES = MIX_NAMES + ("w0", "a0", "v0", "k_k", "k_a")
 LORA_NAMES = (("w1", "w2", "decay_lora"), ("a1", "a2", "a_lora"), ("v1", "v2", "v_lora"),
               ("g1", "g2", "gate_lora"))
@@ -54,7 +56,12 @@ class TimeMix(nnx.Module):
         1, 0.1, 1. output: `[L, C, C]` (layers, heads, embed); init 0. Here "heads" names the
         flattened H·N feature axis.
       ln_x: GroupNorm with `weight`, `bias` `[L, C]`; weight init `((l + 1) / L) ** 0.7`.
+      fp8_receptance, fp8_key, fp8_value, fp8_output: under an FP8 policy only, `Fp8Meta`
+        `[L, 3, 1 + history]`, the delayed-scaling state of those four GEMMs
+        (`lwm_jax.precision.fp8`; not parameters).
     Layer 0 never uses its v0/v1/v2 (it defines `v_first`), matching the official checkpoint.
+    The LoRA products stay in the compute dtype under an FP8 policy (their rank-d GEMMs are too
+    thin to gain from FP8 and the decay LoRA is an fp32 island).
     """
 
     def __init__(self, cfg, policy, *, rngs: nnx.Rngs):
@@ -80,6 +87,10 @@ class TimeMix(nnx.Module):
         self.output = nnx.Param(jnp.zeros((L, C, C), pd), logical_axes=("layers", "heads", "embed"))
         self.ln_x = GroupNorm(C, C // N, N * 1e-5, param_dtype=pd, stack=(L,),
                               weight_init=np.asarray(vec["ln_x_weight"]))
+        if policy.fp8:
+            for name in FP8_GEMMS:
+                setattr(self, f"fp8_{name}", Fp8Meta(init_meta(stack=(L,)),
+                                                     logical_axes=("layers", None, None)))
 
 
 def decay_log(p: dict, x_w_BTC, policy):
@@ -186,9 +197,9 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     xr, xw, xk, xv, xa, xg = token_shift_mixes(x, shift_BC, [p[m] for m in MIX_NAMES],
                                                segment_ids_BT)
 
-    r = policy.einsum("btc,cd->btd", xr, p["receptance"])
-    k = policy.einsum("btc,cd->btd", xk, p["key"])
-    v = policy.einsum("btc,cd->btd", xv, p["value"])
+    r = policy.einsum("btc,cd->btd", xr, p["receptance"], fp8_meta=p.get("fp8_receptance"))
+    k = policy.einsum("btc,cd->btd", xk, p["key"], fp8_meta=p.get("fp8_key"))
+    v = policy.einsum("btc,cd->btd", xv, p["value"], fp8_meta=p.get("fp8_value"))
     w = decay_log(p, xw, policy)
 
     if first is True:
@@ -231,6 +242,6 @@ def time_mix_forward(p: dict, x_BTC, shift_BC, wkv_BHNN, v_first_BTC, *, first: 
     tap("ln_x", y)
     bonus = jnp.sum(param_mul(r4 * k4, p["r_k"]), axis=-1, keepdims=True, dtype=f32)
     y = y + (bonus.astype(cd) * v4).reshape(B, T, C)
-    out = policy.einsum("btc,cd->btd", y * g, p["output"])
+    out = policy.einsum("btc,cd->btd", y * g, p["output"], fp8_meta=p.get("fp8_output"))
     tap("out", out)
     return out, v_first_BTC, wkv_BHNN

@@ -37,7 +37,7 @@ def _dot_precisions(jaxpr, inside=False, within="", out=None):
 def test_presets_state_the_wkv_precision():
     assert {n: p.wkv_precision for n, p in PRESETS.items()} == {
         "fp32": "highest", "fp32-fast": "high", "bf16-mixed": "high", "fp16-mixed": "high",
-        "bf16": "high"}
+        "bf16": "high", "fp8-mixed": "high"}
     assert parse_policy("p=f32,c=bf16,w=default").wkv_precision == "default"
     assert parse_policy("p=f32,c=f32").wkv_precision == "highest"
     with pytest.raises(ValueError, match="WKV matmul precision 'fast'"):

@@ -1,0 +1,162 @@
+"""FP8 GEMMs with per-tensor delayed scaling: the block matmuls of the `fp8-mixed` policy.
+
+    y = fp8_einsum("btc,cd->btd", x, w, meta, compute_dtype=jnp.bfloat16)
+
+The GEMM is not ours: it is Flax's `flax.linen.fp8_ops.fp8_scaled_dot_general` (the functional
+core of its `Fp8Einsum`), handed to `jnp.einsum` as its dot. Forward: both operands are scaled
+and rounded to float8 e4m3 and multiplied with float32 accumulation; backward: the output
+gradient is scaled and rounded to float8 e5m2 (more range, less precision: gradients span more
+decades than activations) and both gradient products take it with the e4m3 operands. On a
+Hopper GPU XLA runs such a dot of float8 operands as a cuBLASLt FP8 GEMM (twice the bf16
+tensor-core rate); XLA:CPU and the interpreter emulate the float8 types, so CPU tests see the
+same roundings.
+
+Delayed scaling (NVIDIA Transformer Engine's recipe, as Flax implements it): each of the three
+tensors of a GEMM (input, kernel, output gradient) has a scale and a history of its recent
+absolute maxima; a step quantizes with the scale computed from the history *before* that
+step's own maximum (x / scale is clipped to the format's largest finite value), then appends
+its maximum. One scale per tensor, so a single outlier sets the range of the whole tensor;
+the history lets the scale follow slow growth and forget a spike after `history` steps.
+
+State layout: one float32 array `meta [3, 1 + history]` per GEMM site, rows (input, kernel,
+output gradient), column 0 the scale, columns 1.. the amax history: column 1 the newest, the
+older maxima rotating through the rest (only their maximum is ever read; `init_meta`). The meta is an input of the differentiated loss; what comes back as its
+"gradient" is the updated meta (`flax.linen.fp8_ops`' overwrite-with-gradient convention).
+The trainer replaces the old meta by it (`overwrite`), combines micro-batches by their
+maximum (`combine_accumulated`: every micro-batch starts from the same meta, so the results
+differ only in the newest amax, and the step's amax is the largest), and keeps the old meta
+on a skipped step.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from flax.linen import fp8_ops
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+HISTORY = 1024          # amax history length (Transformer Engine's and Flax's default)
+ROWS = ("input", "kernel", "output_grad")
+
+
+class Fp8Meta(nnx.Variable):
+    """The delayed-scaling state of one FP8 GEMM site (or a stack of them, leading layer
+    axis): `[..., 3, 1 + history]` float32 (module docstring). Not a parameter: the optimizer
+    never sees it; the train step overwrites it with the value its backward returns."""
+
+
+def init_meta(history: int = HISTORY, stack: tuple[int, ...] = ()) -> jax.Array:
+    """A fresh meta: every scale 1, every recorded amax 0 (the first step quantizes at scale
+    1 and records its amax; the scale follows from the second step)."""
+    if history < 1:
+        raise ValueError(f"fp8: amax history must be >= 1 step, got {history}")
+    scale = jnp.ones((*stack, 3, 1), jnp.float32)
+    return jnp.concatenate([scale, jnp.zeros((*stack, 3, history), jnp.float32)], axis=-1)
+
+
+def check_meta(meta, where: str = "fp8 meta") -> None:
+    """One-line ValueError unless `meta` is a float32 `[3, 1 + history]` array."""
+    shape = tuple(getattr(meta, "shape", ()))
+    if len(shape) != 2 or shape[0] != 3 or shape[1] < 2 or \
+            jnp.dtype(getattr(meta, "dtype", None)) != jnp.float32:
+        raise ValueError(f"{where}: expected a float32 [3, 1 + history] array (rows input, "
+                         f"kernel, output gradient; column 0 the scale), got "
+                         f"{getattr(meta, 'dtype', type(meta).__name__)} {shape}")
+
+
+def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, meta: jax.Array, *,
+               compute_dtype=jnp.bfloat16, out_dtype=None) -> jax.Array:
+    """`einsum(spec, x, w)` as an FP8 GEMM with delayed scaling (module docstring).
+
+    Args:
+      spec: a two-operand einsum with an explicit output ("btc,cd->btd").
+      x: activations (any float dtype; cast to `compute_dtype` before quantizing).
+      w: the weight, quantized from its own dtype (a float32 parameter's gradient stays
+        float32).
+      meta: this site's `[3, 1 + history]` float32 state.
+      compute_dtype: the dtype the quantization arithmetic and the gradients' dequantization
+        run in (the policy's compute dtype).
+      out_dtype: result dtype (default `compute_dtype`); products accumulate in float32.
+    Returns:
+      the product in `out_dtype`. Its VJP gives x's and w's gradients (in their dtypes) and,
+      for `meta`, the updated state.
+    """
+    check_meta(meta, "fp8_einsum: meta")
+    # x is quantized from the compute dtype, w from its own (a float32 parameter keeps its
+    # bits until the e4m3 rounding); the gradient products' float32 results come back in each
+    # operand's dtype (`_cotangent_in_primal_dtype`), w's float32 gradient unrounded
+    lhs = _cotangent_in_primal_dtype(x.astype(compute_dtype))
+    rhs = _cotangent_in_primal_dtype(w)
+    dot = functools.partial(
+        fp8_ops.fp8_scaled_dot_general,
+        lhs_scale=meta[0, :1], rhs_scale=meta[1, :1], grad_scale=meta[2, :1],
+        lhs_amax_history=meta[0, 1:], rhs_amax_history=meta[1, 1:],
+        grad_amax_history=meta[2, 1:], quantize_compute_type=compute_dtype)
+    y = jnp.einsum(spec, lhs, rhs, preferred_element_type=jnp.float32, _dot_general=dot)
+    return y.astype(compute_dtype if out_dtype is None else out_dtype)
+
+
+@jax.custom_vjp
+def _cotangent_in_primal_dtype(x):
+    """Identity whose backward casts the incoming cotangent to x's dtype: the FP8 product's
+    gradients are float32 (dequantized from its float32 accumulator) whatever its operands'
+    dtypes, and a bf16 operand's cotangent must be bf16."""
+    return x
+
+
+def _cotangent_fwd(x):
+    return x, jnp.zeros((0,), x.dtype)
+
+
+def _cotangent_bwd(proto, g):
+    return (g.astype(proto.dtype),)
+
+
+_cotangent_in_primal_dtype.defvjp(_cotangent_fwd, _cotangent_bwd)
+
+
+def overwrite(old, returned, finite):
+    """The metas after a step: the values the backward `returned` where the step is applied
+    (`finite` true), the `old` ones where it is skipped. Pytrees of metas."""
+    return jax.tree.map(lambda o, r: jnp.where(finite, r, o), old, returned)
+
+
+def all_finite(metas) -> jax.Array:
+    """bool scalar: every scale and recorded amax of the pytree `metas` is finite."""
+    leaves = jax.tree.leaves(metas)
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(m)) for m in leaves])) if leaves \
+        else jnp.asarray(True)
+
+
+def combine_accumulated(a, b):
+    """Two micro-batches' returned metas as one: their maximum (module docstring)."""
+    return jax.tree.map(jnp.maximum, a, b)
+
+
+def current_amax(meta) -> jax.Array:
+    """The amax each row recorded last (`[..., 3]`: input, kernel, output gradient)."""
+    return meta[..., 1]
+
+
+def largest_amax(metas: dict) -> str:
+    """One phrase naming the FP8 GEMM tensor with the largest recorded amax (the newest
+    entry of every site, layer and row): where a diverging FP8 run's values grew most.
+    `metas`: a nested dict of `[L, 3, 1 + history]` (or `[3, 1 + history]`) arrays on the host."""
+    best = None
+    for path, meta in jax.tree_util.tree_flatten_with_path(metas)[0]:
+        amax = np.asarray(current_amax(np.asarray(meta)))
+        if amax.ndim == 1:
+            amax = amax[None]
+        layer, row = np.unravel_index(int(np.argmax(amax)), amax.shape)
+        value = float(amax[layer, row])
+        if best is None or value > best[0]:
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            best = (value, name, int(layer), ROWS[row])
+    if best is None:
+        return "no FP8 GEMM state"
+    value, name, layer, row = best
+    return f"largest FP8 amax {value:.4g}: {name} layer {layer} {row}"
