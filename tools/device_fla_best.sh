@@ -36,6 +36,7 @@
 # fla_autotune_<gpu>.tgz (the autotuning results afterwards, as the `train` part saves them).
 set -uo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/device_throughput.sh"   # OUT, peer, save_peer_tuning
+source "$(dirname "${BASH_SOURCE[0]}")/device_budget.sh"       # budgeted
 model=${1:?usage: $0 0.1b|1.5b [train_step.py args]}; shift
 case $model in 0.1b) reserve_default=120 ;; 1.5b) reserve_default=180 ;;
   *) echo "device_fla_best.sh: MODEL is 0.1b or 1.5b, not $model" >&2; exit 2 ;; esac
@@ -95,18 +96,13 @@ note() {
 # one NAME INDEX TIMEOUT RESERVE CMD...: CMD under `timeout`, cut to the budget less RESERVE
 one() {
   local name=$1 index=$2 tmo=$3 keep=$4; shift 4
-  local left=$((BUDGET - (SECONDS - T0) - keep))
-  if [ "$left" -lt 30 ]; then
-    note "$name" "$index" "skipped: budget spent ($((BUDGET - (SECONDS - T0)))s left, ${keep}s kept for ours)"
+  local f=/tmp/fla_best_$index.log
+  echo "===== $index $name" | tee -a "$LOG"
+  if ! budgeted "$f" "$tmo" "$keep" "$@"; then
+    note "$name" "$index" "skipped: budget spent (${BUDGET_LEFT}s left, ${keep}s kept for ours)"
     return
   fi
-  [ "$tmo" -gt "$left" ] && tmo=$left
-  local f=/tmp/fla_best_$index.log t1=$SECONDS
-  echo "===== $index $name (timeout ${tmo}s, at $((SECONDS - T0))s): $*" | tee -a "$LOG"
-  timeout -k 10 "$tmo" "$@" >"$f" 2>&1
-  local rc=$?
-  cat "$f" >>"$LOG"
-  record "$name" "$index" "$rc" "$((SECONDS - t1))" "$f"
+  record "$name" "$index" "$BUDGET_RC" "$BUDGET_SECONDS" "$f"
 }
 
 # the fla_train.py arguments of CE[+expandable][+compile], in the array `fla_args`

@@ -75,22 +75,19 @@ note() {
     "rc": None, "ok": False, "error": sys.argv[2]}))' "$1" "$2" | tee -a "$RES"
 }
 
+source "$(dirname "${BASH_SOURCE[0]}")/device_budget.sh"      # budgeted
+
 # one NAME TIMEOUT CMD...: run CMD under timeout (cut to the budget), log it, tag its rows, say how it went
 one() {
   local name=$1 tmo=$2; shift 2
-  local left=$((BUDGET - (SECONDS - T0)))
-  if [ "$left" -lt 30 ]; then
-    note "$name" "skipped: budget spent (${left}s left)"
+  local f=/tmp/peer_$name.log
+  echo "===== $name" | tee -a "$LOG"
+  if ! budgeted "$f" "$tmo" 0 "$@"; then
+    note "$name" "skipped: budget spent (${BUDGET_LEFT}s left)"
     return
   fi
-  [ "$tmo" -gt "$left" ] && tmo=$left
-  local f=/tmp/peer_$name.log t1=$SECONDS
-  echo "===== $name (timeout ${tmo}s): $*" | tee -a "$LOG"
-  timeout -k 10 "$tmo" "$@" >"$f" 2>&1
-  local rc=$?
-  cat "$f" >>"$LOG"
   tag "$name" "$f"
-  status "$name" "$rc" "$((SECONDS - t1))" "$f"
+  status "$name" "$BUDGET_RC" "$BUDGET_SECONDS" "$f"
 }
 
 python3 - >>"$RES" <<'PY'
