@@ -227,11 +227,19 @@ def test_every_matmul_has_an_explicit_precision(spec, scan_remat):
         want = {"policy": {own}, "wkv": _wkv_precisions(policy),
                 "decay island": {ieee} if what == "forward" else {ieee, own}}
         dots = _dot_generals(jax.make_jaxpr(fn)(params).jaxpr, [])
-        counts[what] = sum(_origin(e, c) in ("policy", "decay island") for e, _, c in dots)
+        fp8_gemm = lambda e: all("float8" in str(v.aval.dtype) for v in e.invars)  # noqa
+        counts[what] = sum(_origin(e, c) in ("policy", "decay island") or fp8_gemm(e)
+                           for e, _, c in dots)
         if what == "forward":   # two per traced layer: a layer scan traces one body for all
             traced_layers = 1 if scan_remat else CFG.n_layer
             assert sum(_origin(e, c) == "decay island" for e, _, c in dots) == 2 * traced_layers
         for eqn, inside, callers in dots:
+            if fp8_gemm(eqn):
+                # an FP8 GEMM (`lwm_jax.precision.fp8`, through Flax's fp8_ops): only under an
+                # FP8 policy, and with an explicit precision too
+                got = eqn.params["precision"]
+                assert policy.fp8 and got is not None and None not in tuple(got), (what, got)
+                continue
             origin = _origin(eqn, callers)
             assert origin in want, f"{what}: a dot_general outside Policy.einsum, in {origin}"
             got = eqn.params["precision"]
