@@ -9,8 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
-                                          toy_loss_and_grads)
+from lwm_jax.models.rwkv7.testing import kernel_count, run_impls, tiny_model
 from lwm_jax.ops.layer_norm import (LN_EPS, kernel_applies, layer_norm, layer_norm_fused,
                                     layer_norm_fwd_pallas)
 from lwm_jax.runtime import Runtime
@@ -99,7 +98,10 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     `auto` on a CPU, or below `AUTO_MIN_CHANNELS`, keeps XLA's; a shape the kernels cannot
     tile, or a bad value, is a one-line error naming the knob."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (1, 64)), jnp.int32)
-    runs = run_impls(_tiny_model, ("interpret", "xla"), tokens, "layer_norm_", jaxpr_eqns)
+    runs = run_impls({"interpret": _tiny_model("interpret"), "xla": _tiny_model("xla"),
+                      "interpret, remat + scan": _tiny_model("interpret", remat=True,
+                                                             scan_layers=True)},
+                     tokens, "layer_norm_", jaxpr_eqns)
     assert runs["interpret"][2] == 2 * 2 * 2 and runs["xla"][2] == 0   # fwd+bwd x ln1, ln2 x 2
     losses = {impl: r[0] for impl, r in runs.items()}
     grads = {impl: r[1] for impl, r in runs.items()}
@@ -110,7 +112,7 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
             a = blocks(grads["interpret"])[ln][name][...]
             b = blocks(grads["xla"])[ln][name][...]
             assert _rel(a, np.asarray(b, np.float64)) < 3e-2, (ln, name)
-    loss, _ = toy_loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
+    loss = runs["interpret, remat + scan"][0]
     assert abs(float(loss - losses["interpret"])) < 1e-3 * abs(float(losses["xla"]))
     # C = 128: narrower than AUTO_MIN_CHANNELS (and, in CI, a CPU)
     assert kernel_count(_tiny_model("auto"), tokens, "layer_norm_", jaxpr_eqns) == 0

@@ -10,8 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lwm_jax.models.rwkv7.testing import (kernel_count, run_impls, tiny_model,
-                                          toy_loss_and_grads)
+from lwm_jax.models.rwkv7.testing import kernel_count, run_impls, tiny_model
 from lwm_jax.ops.squared_relu_mlp import (kernel_applies, relu2_matmul_grad_pallas,
                                           relu2_matmul_pallas, squared_relu,
                                           squared_relu_mlp_fused)
@@ -110,7 +109,10 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
     a layer scan; `auto` on a CPU keeps the XLA form; a shape the kernels cannot tile is a
     one-line error."""
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, 97, (1, 128)), jnp.int32)
-    runs = run_impls(_tiny_model, ("interpret", "xla"), tokens, "relu2_matmul", jaxpr_eqns)
+    runs = run_impls({"interpret": _tiny_model("interpret"), "xla": _tiny_model("xla"),
+                      "interpret, remat + scan": _tiny_model("interpret", remat=True,
+                                                             scan_layers=True)},
+                     tokens, "relu2_matmul", jaxpr_eqns)
     assert runs["interpret"][2] == 2 * 2 and runs["xla"][2] == 0       # fwd + bwd, 2 layers
     losses = {impl: r[0] for impl, r in runs.items()}
     grads = {impl: r[1] for impl, r in runs.items()}
@@ -120,7 +122,7 @@ def test_model_runs_the_kernels_as_runtime_says(jaxpr_eqns):
         a, b = ffn(grads["interpret"])[name][...], ffn(grads["xla"])[name][...]
         assert _rel(a, np.asarray(b, np.float64)) < 3e-2, name
     # inside jax.checkpoint + lax.scan (the long-context runtime) it gives the same again
-    loss, g = toy_loss_and_grads(_tiny_model("interpret", remat=True, scan_layers=True), tokens)
+    loss, g = runs["interpret, remat + scan"][:2]
     assert abs(float(loss - losses["interpret"])) < 1e-3 * abs(float(losses["xla"]))
     a, b = ffn(g)["key"][...], ffn(grads["xla"])["key"][...]
     assert _rel(a, np.asarray(b, np.float64)) < 3e-2

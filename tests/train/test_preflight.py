@@ -4,6 +4,7 @@ ends in one line naming the keys that shrink it."""
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from lwm_jax.cli import main as cli_main
@@ -15,28 +16,33 @@ SMALL = ["model.n_layer=2", "model.n_embd=64", "train.ctx_len=64", "train.batch_
          "train.eval_every=0", "train.steps=2", "train.warmup_steps=1"]
 
 
-def _program_and_args(overrides):
-    cfg = load_config(None, [*SMALL, *overrides])
+@pytest.fixture(scope="module")
+def small_run():
+    """`(cfg, program, state, tokens)` of the SMALL config (batch 4), shared by the tests
+    below: its train step is compiled once (jit's cache) however many of them lower it."""
+    cfg = load_config(None, SMALL)
     prog = build_program(cfg)
     state = prog.init_state()
     tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 65), 0, cfg.model.vocab_size)
     return cfg, prog, state, tokens
 
 
-def test_the_analysis_counts_activations_and_grows_with_the_batch():
-    cfg, prog, state, tokens = _program_and_args([])
+def test_the_analysis_counts_activations_and_grows_with_the_batch(small_run):
+    """Batch 4, and batch 16 compiled from the state's shapes alone (as `train` compiles the
+    step before it initialises the state)."""
+    _, prog, state, tokens = small_run
     small = step_bytes(prog.train_step.lower(state, tokens).compile())
     assert small is not None and small["temp"] > 0
     assert small["peak"] == small["arguments"] + small["outputs"] - small["aliased"] + small["temp"]
-    cfg8, prog8, state8, _ = _program_and_args(["train.batch_size=16"])
-    tokens8 = jax.random.randint(jax.random.PRNGKey(0), (16, 65), 0, cfg8.model.vocab_size)
-    big = step_bytes(prog8.train_step.lower(state8, tokens8).compile())
+    prog16 = build_program(load_config(None, [*SMALL, "train.batch_size=16"]))
+    tokens16 = jax.ShapeDtypeStruct((16, 65), tokens.dtype)
+    big = step_bytes(prog16.train_step.lower(prog16.abstract_state, tokens16).compile())
     assert big["temp"] > 2 * small["temp"]            # activations scale with the batch
     assert big["arguments"] - small["arguments"] == 12 * 65 * 4   # only the int32 tokens grew
 
 
-def test_a_step_that_does_not_fit_is_refused_in_one_line():
-    cfg, prog, state, tokens = _program_and_args([])
+def test_a_step_that_does_not_fit_is_refused_in_one_line(small_run):
+    cfg, prog, state, tokens = small_run
     need = step_bytes(prog.train_step.lower(state, tokens).compile())["peak"]
     with pytest.raises(ValueError) as err:
         compile_step(cfg, prog.train_step, state, tokens, memory=(need // 2, "test memory"))
@@ -44,9 +50,10 @@ def test_a_step_that_does_not_fit_is_refused_in_one_line():
     assert "\n" not in msg
     assert msg.startswith("train.batch_size=4, train.ctx_len=64: the compiled train step needs")
     assert "test memory" in msg and "runtime.remat=true" in msg and "train.grad_accum" in msg
-    # enough memory: the compiled step is returned and trains
+    # enough memory: the compiled step is returned and trains (on a copy of the shared state:
+    # the step donates its state's buffers)
     step = compile_step(cfg, prog.train_step, state, tokens, memory=(4 * need, "test memory"))
-    state, metrics = step(state, tokens)
+    state, metrics = step(jax.tree.map(jnp.array, state), tokens)
     assert int(state.step) == 1 and float(metrics["finite"]) == 1
 
 

@@ -3,7 +3,17 @@ this CPU host: no TPU runs them) for v4, v5e, v5p and v6e: forward alone and for
 with and without segment ids and an initial state, bfloat16 / float32 / float16 inputs, every
 precision name, every chunk length the op allows; and the sequence-parallel WKV on a 4-chip mesh
 that splits T. Their numerics are tested in the interpreter (test_wkv7_tpu.py); this proves the
-TPU compiler takes them. Each compile is listed in the run's "TPU compile" summary."""
+TPU compiler takes them. Each compile is listed in the run's "TPU compile" summary.
+
+The variants of a group compile together: one program holds every variant's forward, another
+every variant's forward + backward, each variant on inputs of its own (so no two of its kernels
+can be merged), under a name scope of its own, and every output used. Each variant's Mosaic
+calls are counted by that scope in the compiled HLO's op names (one forward kernel; a forward
+saving states and a backward). Mosaic compiles each kernel on its own either way; one program
+per pass spares XLA:TPU's fixed cost per program. A group that fails to compile is compiled
+again one variant at a time to name the variant."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,28 +49,72 @@ def _args(devices, dtype, seg, h0):
             sds((B, T), jnp.int32) if seg else None)
 
 
+def _name(dtype, precision, chunk, seg, h0):
+    return (f"wkv7 {jnp.dtype(dtype).name} {precision} C={chunk}"
+            f"{' seg' if seg else ''}{' h0' if h0 else ''}")
+
+
+def _scope(i):
+    """The name scope of variant `i` of a group (fixed width: no scope is a prefix of another)."""
+    return f"variant{i:02d}"
+
+
+def _programs(cases):
+    """`(forward, gradient)` of every case in `cases` at once: `forward(diff, ids)` returns each
+    case's (output, final state); `gradient(diff, ids)` is the gradient of the sum of each
+    case's loss with respect to `diff`, each case's (xs, initial state or None); `ids` holds
+    each case's segment ids or None. Case `i` runs under the name scope `_scope(i)`."""
+    def outputs(diff, ids):
+        out = []
+        for i, ((xs, state), seg, (_, precision, chunk, _, _)) in enumerate(zip(diff, ids, cases)):
+            with jax.named_scope(_scope(i)):
+                out.append(wkv7_tpu(*xs, state, seg, chunk, precision=precision))
+        return out
+
+    def loss(diff, ids):
+        return sum(jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
+                   for o, s in outputs(diff, ids))
+    return outputs, jax.grad(loss)
+
+
+def _compile_group(devices, cases):
+    """`((fwd, seconds), (fwd+bwd, seconds))` of the group's two programs; where one fails, the
+    variant that fails it, compiled alone."""
+    args = [_args(devices, dtype, seg, h0) for dtype, _, _, seg, h0 in cases]
+    diff, ids = [(xs, state) for xs, state, _ in args], [seg for _, _, seg in args]
+    try:
+        return [tpu.compile_for(fn, diff, ids) for fn in _programs(cases)]
+    except Exception:
+        for case, d, i in zip(cases, diff, ids):
+            for fn in _programs([case]):
+                try:
+                    tpu.compile_for(fn, [d], [i])
+                except Exception as err:
+                    raise AssertionError(f"{_name(*case)} does not compile") from err
+        raise
+
+
+def _calls_per_variant(compiled, n):
+    """How many of the program's Mosaic calls each of its `n` variants owns (by the name scope
+    in the call's op name); every call must belong to exactly one variant."""
+    names = [re.search(r'op_name="([^"]*)"', line) for line in tpu.mosaic_calls(compiled)]
+    owners = [[i for i in range(n) if m and _scope(i) in m.group(1)] for m in names]
+    assert all(len(o) == 1 for o in owners), [m and m.group(1) for m in names]
+    return [sum(o == [i] for o in owners) for i in range(n)]
+
+
 @pytest.mark.parametrize("group", list(GROUPS))
 @pytest.mark.parametrize("generation", GENERATIONS)
 def test_wkv7_kernels_compile_for_tpu(generation, group, record_property):
-    devices = tpu.devices(generation)
-    for dtype, precision, chunk, seg, h0 in GROUPS[group]:
-        xs, state, ids = _args(devices, dtype, seg, h0)
-
-        def forward(xs, state, ids):
-            return wkv7_tpu(*xs, state, ids, chunk, precision=precision)
-
-        def loss(xs, state, ids):
-            o, s = forward(xs, state, ids)
-            return jnp.sum(o.astype(jnp.float32) ** 2) + jnp.sum(s)
-        argnums = (0, 1) if h0 else 0
-        what = (f"wkv7 {jnp.dtype(dtype).name} {precision} C={chunk}"
-                f"{' seg' if seg else ''}{' h0' if h0 else ''}")
-        fwd, s_fwd = tpu.compile_for(forward, xs, state, ids)
-        bwd, s_bwd = tpu.compile_for(jax.grad(loss, argnums=argnums), xs, state, ids)
-        assert len(tpu.mosaic_calls(fwd)) == 1, what           # the forward kernel
-        assert len(tpu.mosaic_calls(bwd)) == 2, what           # forward (saving states) + backward
-        tpu.report(record_property, generation, what + " fwd", fwd, s_fwd)
-        tpu.report(record_property, generation, what + " fwd+bwd", bwd, s_bwd)
+    cases = GROUPS[group]
+    (fwd, s_fwd), (bwd, s_bwd) = _compile_group(tpu.devices(generation), cases)
+    fwd_calls, bwd_calls = _calls_per_variant(fwd, len(cases)), _calls_per_variant(bwd, len(cases))
+    for case, n_fwd, n_bwd in zip(cases, fwd_calls, bwd_calls):
+        assert n_fwd == 1, _name(*case)         # the forward kernel
+        assert n_bwd == 2, _name(*case)         # forward (saving states) + backward
+    what = f"wkv7 {group} ({len(cases)} variants)"
+    tpu.report(record_property, generation, what + " fwd", fwd, s_fwd)
+    tpu.report(record_property, generation, what + " fwd+bwd", bwd, s_bwd)
 
 
 @pytest.mark.parametrize("generation", GENERATIONS)
