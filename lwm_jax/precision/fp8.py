@@ -2,26 +2,32 @@
 
     y = fp8_einsum("btc,cd->btd", x, w, meta, compute_dtype=jnp.bfloat16)
 
-The GEMM is not ours: it is Flax's `flax.linen.fp8_ops.fp8_scaled_dot_general` (the functional
-core of its `Fp8Einsum`), handed to `jnp.einsum` as its dot. Forward: both operands are scaled
-and rounded to float8 e4m3 and multiplied with float32 accumulation; backward: the output
-gradient is scaled and rounded to float8 e5m2 (more range, less precision: gradients span more
-decades than activations) and both gradient products take it with the e4m3 operands. On a
-Hopper GPU XLA runs such a dot of float8 operands as a cuBLASLt FP8 GEMM (twice the bf16
-tensor-core rate); XLA:CPU and the interpreter emulate the float8 types, so CPU tests see the
-same roundings.
+The GEMM is XLA's: each product is a `dot_general` of float8 operands inside our own VJP
+(`_scaled_einsum`), the form XLA's GPU compiler rewrites into one cuBLASLt FP8 GEMM (its
+"scaled dot" rewrite, which folds the scales into the GEMM and writes the result's dtype
+directly). Forward: both operands are scaled and rounded to float8 e4m3 and multiplied with
+float32 accumulation; backward: the output gradient is scaled and rounded to float8 e5m2 (more
+range, less precision: gradients span more decades than activations) and both gradient
+products take it with the saved e4m3 operands. TPUs compile the same dots of float8 operands
+(v5e/v5p/v6e keep them; see `lwm-jax compile`); XLA:CPU and the interpreter emulate the float8
+types, so CPU tests see the same roundings. `impl="flax"` runs Flax's
+`flax.linen.fp8_ops.fp8_scaled_dot_general` instead (the ecosystem's form, kept to measure
+against: on an H100 it cost more per step, see benchmarks/RESULTS.md); its scales are not
+rounded to powers of two.
 
-Delayed scaling (NVIDIA Transformer Engine's recipe, as Flax implements it): each of the three
-tensors of a GEMM (input, kernel, output gradient) has a scale and a history of its recent
-absolute maxima; a step quantizes with the scale computed from the history *before* that
-step's own maximum (x / scale is clipped to the format's largest finite value), then appends
-its maximum. One scale per tensor, so a single outlier sets the range of the whole tensor;
-the history lets the scale follow slow growth and forget a spike after `history` steps.
+Delayed scaling (NVIDIA Transformer Engine's recipe, also Flax's): each of the three tensors of
+a GEMM (input, kernel, output gradient) has a scale and a history of its recent absolute
+maxima; a step quantizes with the scale computed from the history *before* that step's own
+maximum (x / scale is clipped to the format's largest finite value), then appends its maximum.
+The scale is rounded up to a power of two (`_delayed`), so scaling is exact. One scale per
+tensor, so a single outlier sets the range of the whole tensor; the history lets the scale
+follow slow growth and forget a spike after `history` steps.
 
 State layout: one float32 array `meta [3, 1 + history]` per GEMM site, rows (input, kernel,
 output gradient), column 0 the scale, columns 1.. the amax history: column 1 the newest, the
-older maxima rotating through the rest (only their maximum is ever read; `init_meta`). The meta is an input of the differentiated loss; what comes back as its
-"gradient" is the updated meta (`flax.linen.fp8_ops`' overwrite-with-gradient convention).
+older maxima rotating through the rest (only their maximum is ever read; `init_meta`). The
+meta is an input of the differentiated loss; what comes back as its "gradient" is the updated
+meta (the overwrite-with-gradient convention of `flax.linen.fp8_ops`).
 The trainer replaces the old meta by it (`overwrite`), combines micro-batches by their
 maximum (`combine_accumulated`: every micro-batch starts from the same meta, so the results
 differ only in the newest amax, and the step's amax is the largest), and keeps the old meta
@@ -69,7 +75,8 @@ def check_meta(meta, where: str = "fp8 meta") -> None:
 
 
 def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, meta: jax.Array, *,
-               compute_dtype=jnp.bfloat16, out_dtype=None) -> jax.Array:
+               compute_dtype=jnp.bfloat16, out_dtype=None, impl: str = "xla",
+               fast_grad_accum: bool = False) -> jax.Array:
     """`einsum(spec, x, w)` as an FP8 GEMM with delayed scaling (module docstring).
 
     Args:
@@ -78,14 +85,26 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, meta: jax.Array, *,
       w: the weight, quantized from its own dtype (a float32 parameter's gradient stays
         float32).
       meta: this site's `[3, 1 + history]` float32 state.
-      compute_dtype: the dtype the quantization arithmetic and the gradients' dequantization
-        run in (the policy's compute dtype).
+      compute_dtype: x's dtype before quantizing (the policy's compute dtype); quantizing
+        divides in float32.
       out_dtype: result dtype (default `compute_dtype`); products accumulate in float32.
+      impl: "xla" (default: dots of float8 operands, results scaled after), "xla-dq" (the
+        same values from dots of dequantized operands: `_product`) or "flax" (module
+        docstring).
+      fast_grad_accum: the gradient products at precision DEFAULT (cuBLASLt's fast FP8
+        accumulation) instead of HIGHEST; "xla" forms only.
     Returns:
       the product in `out_dtype`. Its VJP gives x's and w's gradients (in their dtypes) and,
       for `meta`, the updated state.
     """
     check_meta(meta, "fp8_einsum: meta")
+    if impl in ("xla", "xla-dq"):
+        _einsum_terms(spec)
+        out = jnp.dtype(compute_dtype if out_dtype is None else out_dtype)
+        return _scaled_einsum(spec, out, bool(fast_grad_accum), impl == "xla-dq",
+                              x.astype(compute_dtype), w, meta)
+    if impl != "flax":
+        raise ValueError(f"fp8_einsum: impl must be 'xla', 'xla-dq' or 'flax', got {impl!r}")
     # x is quantized from the compute dtype, w from its own (a float32 parameter keeps its
     # bits until the e4m3 rounding); the gradient products' float32 results come back in each
     # operand's dtype (`_cotangent_in_primal_dtype`), w's float32 gradient unrounded
@@ -117,6 +136,91 @@ def _cotangent_bwd(proto, g):
 
 
 _cotangent_in_primal_dtype.defvjp(_cotangent_fwd, _cotangent_bwd)
+
+
+def _einsum_terms(spec: str) -> tuple[str, str, str]:
+    lhs, arrow, out = spec.replace(" ", "").partition("->")
+    xs, comma, ys = lhs.partition(",")
+    if not arrow or not comma or "." in spec or any(
+            c not in out + ys for c in xs) or any(c not in out + xs for c in ys):
+        raise ValueError(f"fp8_einsum: spec {spec!r} needs two operands, an explicit '->', no "
+                         "ellipsis, and every operand index in the output or the other operand")
+    return xs, ys, out
+
+
+def _delayed(row, x, fmax):
+    """(the scale to quantize with now `[1]`, the row after recording max|x|) for one
+    `[1 + history]` meta row. The scale is the power of two at or above (largest amax of the
+    history *before* this step) / (the format's largest finite value), so that amax maps into
+    the format's top binade; while that amax is 0 or not finite the old scale stays.
+    Transformer Engine's and Flax's delayed-scaling rule (margin 0) with the scale rounded up
+    to a power of two, as the MX formats do: quantizing, dequantizing and scaling a product
+    are then exact in every float type, the price at most one binade of e4m3's range."""
+    scale, history = row[:1], row[1:]
+    amax = jnp.max(history)
+    mant, expo = jnp.frexp(amax / fmax)              # amax / fmax = mant * 2^expo, mant in [1/2, 1)
+    pow2 = jnp.ldexp(jnp.float32(1), jnp.where(mant == 0.5, expo - 1, expo))
+    scale = jnp.where((amax > 0) & jnp.isfinite(amax), pow2, scale)
+    seen = jnp.max(jnp.abs(x)).astype(jnp.float32)
+    history = jnp.roll(history, -1).at[0].set(seen)
+    return scale, jnp.concatenate([scale, history])
+
+
+def _quantize(x, scale, dtype):
+    """x / scale rounded to the float8 `dtype`, clipped to its finite range; the division in
+    float32 whatever x's dtype (XLA fuses it into the producer: no extra memory pass)."""
+    fmax = float(jnp.finfo(dtype).max)
+    return jnp.clip(x.astype(jnp.float32) / scale, -fmax, fmax).astype(dtype)
+
+
+def _product(spec, a, sa, b, sb, dtype, precision, dequantize):
+    """einsum(spec) of the float8 `a`, `b` with scales `sa`, `sb` ([1], powers of two), as
+    `dtype`. Two forms of the same value, both rewritten by XLA's GPU compiler into one
+    cuBLASLt FP8 GEMM that writes `dtype`: `dequantize` multiplies float32 conversions of the
+    operands by their scales before the dot (the form the rewriter folds into the GEMM's
+    operand scales; other backends then run a float32 dot), otherwise the dot takes the float8
+    operands and its `dtype` result is multiplied by the two scales (exact: powers of two),
+    which TPUs and XLA:CPU keep as a float8 dot."""
+    if dequantize:
+        return jnp.einsum(spec, a.astype(jnp.float32) * sa[0], b.astype(jnp.float32) * sb[0],
+                          preferred_element_type=dtype, precision=precision)
+    y = jnp.einsum(spec, a, b, preferred_element_type=dtype, precision=precision)
+    return y * (sa * sb)[0].astype(dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _scaled_einsum(spec, out_dtype, fast_grad_accum, dequantize, x, w, meta):
+    """`einsum(spec, x, w)` of x and w quantized to e4m3 with meta's delayed scales, returned
+    in `out_dtype`. The VJP quantizes the output gradient to e5m2 and forms both gradient
+    products from float8 operands (e5m2 with e4m3), each returned in its operand's dtype;
+    meta's cotangent is the updated meta. `fast_grad_accum` lets the gradient products use
+    cuBLASLt's fast FP8 accumulation (precision DEFAULT) instead of HIGHEST (the forward
+    always does, as Transformer Engine's recipe); `dequantize` picks `_product`'s form."""
+    return _scaled_einsum_fwd(spec, out_dtype, fast_grad_accum, dequantize, x, w, meta)[0]
+
+
+def _scaled_einsum_fwd(spec, out_dtype, fast_grad_accum, dequantize, x, w, meta):
+    e4 = float(jnp.finfo(E4M3).max)
+    sx, row_x = _delayed(meta[0], x, e4)
+    sw, row_w = _delayed(meta[1], w, e4)
+    qx, qw = _quantize(x, sx, E4M3), _quantize(w, sw, E4M3)
+    y = _product(spec, qx, sx, qw, sw, out_dtype, jax.lax.Precision.DEFAULT, dequantize)
+    protos = np.zeros((0,), x.dtype), np.zeros((0,), w.dtype)
+    return y, (qx, qw, sx, sw, row_x, row_w, meta[2], protos)
+
+
+def _scaled_einsum_bwd(spec, out_dtype, fast_grad_accum, dequantize, res, g):
+    qx, qw, sx, sw, row_x, row_w, row_g, (x_proto, w_proto) = res
+    xs, ys, out = _einsum_terms(spec)
+    sg, row_g = _delayed(row_g, g, float(jnp.finfo(E5M2).max))
+    qg = _quantize(g, sg, E5M2)
+    precision = jax.lax.Precision.DEFAULT if fast_grad_accum else jax.lax.Precision.HIGHEST
+    dx = _product(f"{out},{ys}->{xs}", qg, sg, qw, sw, x_proto.dtype, precision, dequantize)
+    dw = _product(f"{xs},{out}->{ys}", qx, sx, qg, sg, w_proto.dtype, precision, dequantize)
+    return dx, dw, jnp.stack([row_x, row_w, row_g])
+
+
+_scaled_einsum.defvjp(_scaled_einsum_fwd, _scaled_einsum_bwd)
 
 
 def overwrite(old, returned, finite):

@@ -48,10 +48,44 @@ def test_every_block_gemm_is_fp8(precision, want):
     assert _f8_dots(jaxpr.jaxpr) == want
 
 
+@pytest.mark.parametrize("config, want", [
+    ("configs/llama-tiny.yaml", 2 * 7 * 3),                  # q/k/v/o, gate/up/down
+    ("configs/rwkv7-hybrid-tiny.yaml", (1 * 6 + 1 * 6) * 3),  # RWKV layer 0; attention layer 1:
+])                                                          # q/k/v/o + channel-mix key/value
+def test_llama_and_hybrid_gemms_are_fp8_and_their_scales_follow(config, want):
+    """Under fp8-mixed every block GEMM of LLaMA and of the hybrid's RWKV and attention layers
+    is 3 float8 products per step; one step records an input amax at every site and layer
+    (scale 1), the next quantizes inputs with the power of two at or above amax / 448."""
+    over = ["precision=fp8-mixed", "model.n_layer=2", "model.n_embd=64", "train.ctx_len=32",
+            "train.batch_size=2", "runtime.scan_layers=false"]
+    if "hybrid" in config:
+        over += ["model.attention_layers=[1]", "model.attn_kv_heads=1"]
+    else:
+        over += ["model.n_head=2", "model.n_kv_head=1", "model.head_dim=32",
+                 "model.ffn_hidden=128"]
+    prog = build_program(load_config(config, over))
+    tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 256)
+    jaxpr = jax.make_jaxpr(prog.train_step)(prog.abstract_state, tokens)
+    assert _f8_dots(jaxpr.jaxpr) == want
+    state = prog.init_state()
+    state, m1 = prog.train_step(state, tokens)
+    one = jax.device_get(state.fp8)
+    state, m2 = prog.train_step(state, tokens)
+    two = jax.device_get(state.fp8)
+    assert float(m1["finite"]) == float(m2["finite"]) == 1
+    flat1, flat2 = jax.tree.leaves(one), jax.tree.leaves(two)
+    assert len(flat1) == want // 3 // (2 if "llama" in config else 1)
+    for a, b in zip(flat1, flat2):
+        np.testing.assert_array_equal(a[:, :, 0], 1.0)
+        assert np.all(a[:, 0, 1] > 0)
+        amax = a[:, 0, 1]
+        np.testing.assert_array_equal(b[:, 0, 0], 2.0 ** np.ceil(np.log2(amax / E4M3_MAX)))
+
+
 @pytest.mark.parametrize("grad_accum", [1, 2])
 def test_scaling_state_follows_the_steps(grad_accum):
-    """Step 1 records every site's maxima at scale 1; step 2 quantizes with scale = recorded
-    amax / 448 (e4m3) for inputs and kernels; with two micro-batches the same holds for the
+    """Step 1 records every site's maxima at scale 1; step 2 quantizes with scale = the power
+    of two at or above recorded amax / 448 (e4m3) for inputs and kernels; with two micro-batches the same holds for the
     combined (maximum) state."""
     prog = build_program(load_config(None, [*SMALL, "precision=fp8-mixed",
                                             f"train.grad_accum={grad_accum}"]))
@@ -76,8 +110,8 @@ def test_scaling_state_follows_the_steps(grad_accum):
             # kernels initialised to zero (time-mix output, channel-mix value) record 0 and
             # keep scale 1 until they have grown
             amax = a[:, :2, 1]
-            want = np.where(amax > 0, amax / E4M3_MAX, 1.0)
-            np.testing.assert_allclose(b[:, :2, 0], want, rtol=1e-6)
+            want = np.where(amax > 0, 2.0 ** np.ceil(np.log2(amax / E4M3_MAX)), 1.0)
+            np.testing.assert_array_equal(b[:, :2, 0], want)
 
 
 def test_fp8_resume_is_exact(tmp_path, data_prefix):

@@ -55,6 +55,7 @@ from lwm_jax.models.rwkv7.model import _sequence_parallel_wkv, head_fn, remat_po
 from lwm_jax.models.stacked import unstack
 from lwm_jax.ops.layer_norm import layer_norm
 from lwm_jax.precision import Policy, parse_policy
+from lwm_jax.precision.fp8 import Fp8Meta
 from lwm_jax.runtime import Runtime
 
 __all__ = ["RWKVHybrid", "head_fn", "probe_model_fn"]
@@ -116,9 +117,6 @@ class RWKVHybrid(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
-        if self.policy.fp8:
-            raise ValueError(f"{type(self).__name__}: precision {self.policy.name!r} has FP8 block "
-                             "GEMMs, which only the RWKV-7 model wires so far; use 'bf16-mixed'")
         c, pd = self.cfg, self.policy.param_dtype
         rwkv_cfg = dataclasses.replace(_rwkv_config(c), n_layer=len(c.rwkv_layers))
         self.emb = nnx.Param(init.embedding(rngs.params(), c.vocab_size, c.n_embd, pd),
@@ -188,8 +186,8 @@ class RWKVHybrid(nnx.Module):
         positions = (jnp.arange(T, dtype=jnp.int32)[None] if segment_ids is None
                      else positions_from_segments(segment_ids))
         cos, sin = rope_cos_sin(positions, inv_frequencies(c.head_size, c.rope_theta))
-        rwkv_p = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
-        attn_p = (nnx.to_pure_dict(nnx.state(self.attn_blocks, nnx.Param))
+        rwkv_p = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Any(nnx.Param, Fp8Meta)))
+        attn_p = (nnx.to_pure_dict(nnx.state(self.attn_blocks, nnx.Any(nnx.Param, Fp8Meta)))
                   if c.attention_layers else None)
         H, N = c.n_head, c.head_size
         zero = LayerState(jnp.zeros((B, c.n_embd), jnp.float32),

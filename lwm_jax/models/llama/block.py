@@ -9,6 +9,10 @@ Dtypes: the residual stream, q/k/v, the attention output and the MLP run in
 accumulation). float32 islands: the RMSNorm statistics, the RoPE angles and rotation, the
 attention logits and softmax, and the SiLU gate (`silu(g) * u` in float32, cast once).
 
+Under an FP8 policy the seven projections (q/k/v/o, gate/up/down) are FP8 GEMMs: each has an
+`Fp8Meta` `[L, 3, 1 + history]` beside its weight (`fp8_q`, ..., `fp8_down`; the delayed-scaling
+state of `lwm_jax.precision.fp8`, not a parameter). Attention itself and the head stay as above.
+
 Initialisation: every matrix ~ N(0, 0.02^2), except the two that write into the residual
 stream (`attn.o`, `mlp.down`), which get 0.02 / sqrt(2L) so that the stream's variance at
 init does not grow with depth (GPT-2's rule).
@@ -24,6 +28,7 @@ from flax import nnx
 from lwm_jax.layers.attention import KVCache, cached_attention, self_attention
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import apply_rope
+from lwm_jax.precision.fp8 import Fp8Meta, init_meta
 
 INIT_STD = 0.02
 
@@ -50,6 +55,7 @@ class Attention(nnx.Module):
                            logical_axes=in_axes)
         self.o = nnx.Param(normal(rngs.params(), (L, cfg.n_head * D, C), out_std, pd),
                            logical_axes=out_axes)
+        _fp8_metas(self, ("q", "k", "v", "o"), L, policy)
 
 
 class MLP(nnx.Module):
@@ -64,6 +70,15 @@ class MLP(nnx.Module):
                             logical_axes=("layers", "embed", "mlp"))
         self.down = nnx.Param(normal(rngs.params(), (L, F, C), INIT_STD / math.sqrt(2 * L), pd),
                               logical_axes=("layers", "mlp", "embed"))
+        _fp8_metas(self, ("gate", "up", "down"), L, policy)
+
+
+def _fp8_metas(module, names, L: int, policy) -> None:
+    """Under an FP8 policy, an `fp8_<name>` scaling state `[L, 3, 1 + history]` per GEMM."""
+    if policy.fp8:
+        for name in names:
+            setattr(module, f"fp8_{name}", Fp8Meta(init_meta(stack=(L,)),
+                                                   logical_axes=("layers", None, None)))
 
 
 class Block(nnx.Module):
@@ -84,9 +99,9 @@ def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *
     `platform` / `mesh`: what the program is compiled for (`layers.attention.self_attention`)."""
     B, T, _ = x_BTC.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    q = policy.einsum("btc,cf->btf", x_BTC, p["q"]).reshape(B, T, H, D)
-    k = policy.einsum("btc,cf->btf", x_BTC, p["k"]).reshape(B, T, K, D)
-    v = policy.einsum("btc,cf->btf", x_BTC, p["v"]).reshape(B, T, K, D)
+    q = policy.einsum("btc,cf->btf", x_BTC, p["q"], fp8_meta=p.get("fp8_q")).reshape(B, T, H, D)
+    k = policy.einsum("btc,cf->btf", x_BTC, p["k"], fp8_meta=p.get("fp8_k")).reshape(B, T, K, D)
+    v = policy.einsum("btc,cf->btf", x_BTC, p["v"], fp8_meta=p.get("fp8_v")).reshape(B, T, K, D)
     q, k = apply_rope(q, cos_BTK, sin_BTK), apply_rope(k, cos_BTK, sin_BTK)
     prec = policy.matmul_precision
     if cache is None:
@@ -94,16 +109,19 @@ def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *
                              platform=platform, mesh=mesh)
     else:
         out, cache = cached_attention(q, k, v, cache, precision=prec)
-    return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"]), cache
+    return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"],
+                         fp8_meta=p.get("fp8_o")), cache
 
 
 @jax.named_scope("mlp")
 def mlp_forward(p: dict, x_BTC, *, policy):
     """SwiGLU `down(silu(gate x) * up x)`; the gate product in float32, cast once."""
-    g = policy.einsum("btc,cf->btf", x_BTC, p["gate"], out_dtype=jnp.float32)
-    u = policy.einsum("btc,cf->btf", x_BTC, p["up"], out_dtype=jnp.float32)
+    g = policy.einsum("btc,cf->btf", x_BTC, p["gate"], out_dtype=jnp.float32,
+                      fp8_meta=p.get("fp8_gate"))
+    u = policy.einsum("btc,cf->btf", x_BTC, p["up"], out_dtype=jnp.float32,
+                      fp8_meta=p.get("fp8_up"))
     hidden = (jax.nn.silu(g) * u).astype(policy.compute_dtype)
-    return policy.einsum("btf,fc->btc", hidden, p["down"])
+    return policy.einsum("btf,fc->btc", hidden, p["down"], fp8_meta=p.get("fp8_down"))
 
 
 def block_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,

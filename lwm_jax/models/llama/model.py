@@ -63,6 +63,7 @@ from lwm_jax.models.llama.block import INIT_STD, Block, block_forward, normal
 from lwm_jax.models.llama.config import LlamaConfig
 from lwm_jax.models.stacked import unstack
 from lwm_jax.precision import Policy, matmul_outputs_saveable, parse_policy
+from lwm_jax.precision.fp8 import Fp8Meta
 from lwm_jax.runtime import Runtime
 
 
@@ -91,9 +92,6 @@ class Llama(nnx.Module):
         self.cfg = cfg.resolved()
         self.runtime = runtime or Runtime()
         self.policy = parse_policy(policy)
-        if self.policy.fp8:
-            raise ValueError(f"{type(self).__name__}: precision {self.policy.name!r} has FP8 block "
-                             "GEMMs, which only the RWKV-7 model wires so far; use 'bf16-mixed'")
         V, C, pd = self.cfg.vocab_size, self.cfg.n_embd, self.policy.param_dtype
         self.embed = nnx.Param(normal(rngs.params(), (V, C), INIT_STD, pd),
                                logical_axes=("vocab", "embed"))
@@ -183,7 +181,7 @@ class Llama(nnx.Module):
         x = embedding_lookup(self.embed[...], tokens_BT, self.mesh).astype(
             self.policy.compute_dtype)
         tap("emb", x)
-        params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Param))
+        params = nnx.to_pure_dict(nnx.state(self.blocks, nnx.Any(nnx.Param, Fp8Meta)))
         seg = None if segment_ids is None else jnp.asarray(segment_ids)
         return self._run_blocks(params, x, cos, sin, cache, seg, probe)
 
