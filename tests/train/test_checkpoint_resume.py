@@ -99,13 +99,18 @@ def test_checkpoint_keeps_dtypes_and_loss_scale(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def _start(run_dir, data_prefix, cache_dir, steps=100000):
-    cmd = [sys.executable, "-m", "lwm_jax.cli", "train", "--no-progress", *SMALL,
-           f"train.steps={steps}", "train.log_every=50", f"data.path={data_prefix}",
-           "checkpoint.every=3", f"run_dir={run_dir}"]
+def _start(run_dir, data_prefix, cache_dir, steps=100000, extra=()):
+    cmd = [sys.executable, "-m", "lwm_jax.cli", "train", "--no-progress",
+           *_killed_run(run_dir, data_prefix, steps, extra)]
     env = {**os.environ, "JAX_COMPILATION_CACHE_DIR": cache_dir}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=env)
+
+
+def _killed_run(run_dir, data_prefix, steps, extra=()):
+    """The overrides of the runs the signal tests start (and repeat in process)."""
+    return [*SMALL, f"train.steps={steps}", "train.log_every=50", f"data.path={data_prefix}",
+            "checkpoint.every=3", f"run_dir={run_dir}", *extra]
 
 
 def _wait_for(pred, proc, timeout=120.0):
@@ -219,3 +224,30 @@ def test_a_torn_metrics_line_is_skipped_with_a_warning_and_repaired(tmp_path, da
     assert '{"step": 3, "lo' in lines                  # kept as it was, on a line of its own
     steps = [r["step"] for r in read_metrics(str(metrics))[0]]
     assert steps[-1] == 4
+
+
+@pytest.mark.slow
+def test_fp8_sigkill_then_resume_is_exact(tmp_path, data_prefix, compile_cache):
+    """Under fp8-mixed, a run killed with SIGKILL after a checkpoint and started again with the
+    same settings reaches step k + 4 exactly as an uninterrupted run does: parameters,
+    optimizer moments and the FP8 scaling state (amax histories and scales) alike."""
+    fp8 = ["precision=fp8-mixed"]
+    killed_dir = str(tmp_path / "killed")
+    proc = _start(killed_dir, data_prefix, compile_cache, steps=200, extra=fp8)
+    ckpt_dir = os.path.join(killed_dir, "checkpoints")
+    _wait_for(lambda: _steps_on_disk(ckpt_dir), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    k = _steps_on_disk(ckpt_dir)[-1]
+    assert k < 196
+    resumed = train(load_config(None, _killed_run(killed_dir, data_prefix, 200, fp8)),
+                    progress=False, stop_after=4)
+    full = train(load_config(None, _killed_run(str(tmp_path / "full"), data_prefix, 200, fp8)),
+                 progress=False, stop_after=k + 4)
+    assert resumed.step == full.step == k + 4
+    assert full.state.fp8 is not None
+    for a, b in zip(jax.tree.leaves((full.state.params, full.state.opt_state, full.state.fp8)),
+                    jax.tree.leaves((resumed.state.params, resumed.state.opt_state,
+                                     resumed.state.fp8))):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
