@@ -3,6 +3,12 @@ the train state (updated every step, kept on a skipped step, checkpointed, resum
 combined over micro-batches) and evaluation quantizes with the run's current scales."""
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +26,7 @@ SITES = {"att": ("fp8_receptance", "fp8_key", "fp8_value", "fp8_output"),
 E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)
 
 pytestmark = pytest.mark.usefixtures("compile_cache")
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _f8_dots(jaxpr) -> int:
@@ -130,3 +137,47 @@ def test_fp8_resume_is_exact(tmp_path, data_prefix):
                                      second.state.fp8))):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=0)
     assert abs(second.final_val_loss - full.final_val_loss) <= 1e-6 * full.final_val_loss
+
+
+MESH_DRIVER = textwrap.dedent(r"""
+    import json, sys
+    import jax, numpy as np
+    from lwm_jax.train.config import load_config
+    from lwm_jax.train.trainer import build_program
+    prog = build_program(load_config(None, json.loads(sys.argv[1])))
+    state = prog.init_state()
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 256)
+    for _ in range(3):
+        state, metrics = prog.train_step(state, tokens)
+    metas = jax.tree.leaves(state.fp8)
+    print(json.dumps({"devices": int(prog.mesh.size), "loss": float(metrics["loss"]),
+                      "specs": sorted({str(m.sharding.spec) for m in metas}),
+                      "metas": [np.asarray(m).tolist() for m in metas]}))
+""")
+
+
+def test_fp8_state_on_a_mesh_matches_one_device():
+    """3 fp8-mixed steps on data 2 x fsdp 2 (4 CPU devices: batch split, parameters sharded)
+    match one device: the loss, and every scale and recorded amax (an amax taken per shard
+    instead of over the whole tensor would differ); the scaling state is replicated."""
+    over = [*SMALL, "precision=fp8-mixed"]
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", MESH_DRIVER,
+                           json.dumps([*over, "mesh.data=2", "mesh.fsdp=2"])],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    mesh = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert mesh["devices"] == 4 and mesh["specs"] == ["P()"]
+    prog = build_program(load_config(None, over))
+    state = prog.init_state()
+    tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 256)
+    for _ in range(3):
+        state, metrics = prog.train_step(state, tokens)
+    assert mesh["loss"] == pytest.approx(float(metrics["loss"]), rel=2e-5)
+    one = jax.tree.leaves(jax.device_get(state.fp8))
+    assert len(one) == len(mesh["metas"])
+    # the inputs' amaxes are bf16 values: a sharded sum upstream may move one by an ulp (2^-8
+    # relative, at most 2^-7 across a binade edge); a per-shard maximum would be far off
+    for a, b in zip(one, mesh["metas"]):
+        np.testing.assert_allclose(np.asarray(b), a, rtol=2.0**-7, atol=0)
