@@ -43,6 +43,8 @@ import numpy as np
 from flax import nnx
 from flax.linen import fp8_ops
 
+from lwm_jax.precision.einsum_spec import einsum_terms
+
 E4M3 = jnp.float8_e4m3fn
 E5M2 = jnp.float8_e5m2
 HISTORY = 1024          # amax history length (Transformer Engine's and Flax's default)
@@ -99,7 +101,7 @@ def fp8_einsum(spec: str, x: jax.Array, w: jax.Array, meta: jax.Array, *,
     """
     check_meta(meta, "fp8_einsum: meta")
     if impl in ("xla", "xla-dq"):
-        _einsum_terms(spec)
+        einsum_terms(spec, "fp8_einsum")
         out = jnp.dtype(compute_dtype if out_dtype is None else out_dtype)
         return _scaled_einsum(spec, out, bool(fast_grad_accum), impl == "xla-dq",
                               x.astype(compute_dtype), w, meta)
@@ -136,16 +138,6 @@ def _cotangent_bwd(proto, g):
 
 
 _cotangent_in_primal_dtype.defvjp(_cotangent_fwd, _cotangent_bwd)
-
-
-def _einsum_terms(spec: str) -> tuple[str, str, str]:
-    lhs, arrow, out = spec.replace(" ", "").partition("->")
-    xs, comma, ys = lhs.partition(",")
-    if not arrow or not comma or "." in spec or any(
-            c not in out + ys for c in xs) or any(c not in out + xs for c in ys):
-        raise ValueError(f"fp8_einsum: spec {spec!r} needs two operands, an explicit '->', no "
-                         "ellipsis, and every operand index in the output or the other operand")
-    return xs, ys, out
 
 
 def _delayed(row, x, fmax):
@@ -211,7 +203,7 @@ def _scaled_einsum_fwd(spec, out_dtype, fast_grad_accum, dequantize, x, w, meta)
 
 def _scaled_einsum_bwd(spec, out_dtype, fast_grad_accum, dequantize, res, g):
     qx, qw, sx, sw, row_x, row_w, row_g, (x_proto, w_proto) = res
-    xs, ys, out = _einsum_terms(spec)
+    xs, ys, out = einsum_terms(spec, "fp8_einsum")
     sg, row_g = _delayed(row_g, g, float(jnp.finfo(E5M2).max))
     qg = _quantize(g, sg, E5M2)
     precision = jax.lax.Precision.DEFAULT if fast_grad_accum else jax.lax.Precision.HIGHEST

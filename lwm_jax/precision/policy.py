@@ -62,6 +62,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from lwm_jax.precision import bf16_split, fp8
+from lwm_jax.precision.einsum_spec import einsum_terms
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 DTYPES: dict[str, Any] = {
@@ -156,12 +157,12 @@ class Policy:
         """
         out_dtype = self.compute_dtype if out_dtype is None else out_dtype
         if fp8_meta is not None and self.fp8:
-            _einsum_terms(spec)
+            einsum_terms(spec)
             y = fp8.fp8_einsum(spec, *operands, fp8_meta, compute_dtype=self.compute_dtype,
                                out_dtype=out_dtype)
             return checkpoint_name(y, MATMUL_OUTPUT_NAME)
         if len(operands) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
-            _einsum_terms(spec)               # a spec the custom backward cannot transpose
+            einsum_terms(spec)               # a spec the custom backward cannot transpose
             y = _low_precision_einsum(spec, jnp.dtype(self.compute_dtype), self.lax_precision,
                                       *operands)
             return checkpoint_name(y.astype(out_dtype), MATMUL_OUTPUT_NAME)
@@ -190,7 +191,7 @@ class Policy:
         ops = [x.astype(jnp.float32) for x in operands]
         forward = self.lax_precision if precision is None else jax.lax.Precision(precision)
         if len(ops) == 2 and jnp.dtype(self.compute_dtype) != jnp.float32:
-            _einsum_terms(spec)               # a spec the custom backward cannot transpose
+            einsum_terms(spec)               # a spec the custom backward cannot transpose
             pieces = None
             if precision == "highest" and jnp.dtype(self.compute_dtype) == jnp.bfloat16:
                 # an island that asks for IEEE float32: the same accuracy from bf16 tensor-core
@@ -226,16 +227,6 @@ def _low_precision_einsum(spec: str, compute_dtype, precision, x, y):
                       precision=precision, preferred_element_type=jnp.float32)
 
 
-def _einsum_terms(spec: str) -> tuple[str, str, str]:
-    lhs, arrow, out = spec.replace(" ", "").partition("->")
-    xs, comma, ys = lhs.partition(",")
-    if not arrow or not comma or "." in spec or any(
-            c not in out + ys for c in xs) or any(c not in out + xs for c in ys):
-        raise ValueError(f"Policy.einsum: spec {spec!r} needs two operands, an explicit '->', no "
-                         "ellipsis, and every operand index in the output or the other operand")
-    return xs, ys, out
-
-
 def _low_precision_einsum_fwd(spec, compute_dtype, precision, x, y):
     x_c, y_c = x.astype(compute_dtype), y.astype(compute_dtype)
     out = jnp.einsum(spec, x_c, y_c, precision=precision, preferred_element_type=jnp.float32)
@@ -244,7 +235,7 @@ def _low_precision_einsum_fwd(spec, compute_dtype, precision, x, y):
 
 def _low_precision_einsum_bwd(spec, compute_dtype, precision, res, ct):
     x_c, y_c, x_proto, y_proto = res
-    xs, ys, out = _einsum_terms(spec)
+    xs, ys, out = einsum_terms(spec)
     ct_c = ct.astype(compute_dtype)
     dx = jnp.einsum(f"{out},{ys}->{xs}", ct_c, y_c, precision=precision,
                     preferred_element_type=jnp.float32)
