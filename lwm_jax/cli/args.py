@@ -242,6 +242,11 @@ def add_precision_report_args(p: argparse.ArgumentParser) -> argparse.ArgumentPa
                         "measure as exact); not with --checkpoint")
     p.add_argument("--no-gradients", action="store_true",
                    help="skip the gradient comparison (saves one compilation per policy)")
+    p.add_argument("--fp8-calibration-steps", type=int, default=None, metavar="N",
+                   help="FP8 policies: forward + backward steps that calibrate the delayed "
+                        "scales before the measurement, each on its own batch drawn like the "
+                        "report's (seeds --seed + 1, ...); default 8 from fresh scales, 0 when "
+                        "--checkpoint is a training run that saved its FP8 scales")
     p.add_argument("--output", "-o", default="precision_report",
                    help="directory for report.json and heatmap.png")
     return p
@@ -257,7 +262,10 @@ REPORT_DESCRIPTION = (
     "policy change that would fix it. The model: --checkpoint's as trained; otherwise the "
     "config's initialisation, warmed (its zero-initialised projections and constant norms "
     "drawn at a trained-like scale from --seed, since a zero projection measures as exact in "
-    "every precision); every output names the model studied.")
+    "every precision); every output names the model studied. Under an FP8 policy "
+    "(fp8-mixed) the delayed scales are calibrated first (--fp8-calibration-steps, or a "
+    "training run's saved scales) and each FP8 GEMM is measured against its e4m3 floor; the "
+    "report adds the scale / amax trajectories and flags a GEMM meant to be FP8 that is not.")
 
 # (name, one-line help, module of the entry point, entry point, add-arguments function)
 COMMANDS = (

@@ -23,8 +23,15 @@ MLP; both: logits, loss; see `subops_rwkv7` / `subops_llama`) it reports
 
 Worst offender: the op with the largest excess when one is at least `EXCESS_LIMIT` (it computes
 less precisely than the policy promises: a lost fp32 island, a low-precision product) or holds
-a non-finite value (the first in execution order); otherwise the op with the largest local error
-(the cost of the policy itself). `Report.worst.suggestion` says what would fix it.
+a non-finite value (the first in execution order); else, under an FP8 policy, a GEMM meant to
+be FP8 that did not run as one; otherwise the op with the largest local error (the cost of the
+policy itself). `Report.worst.suggestion` says what would fix it.
+
+FP8 policies (`fp8-mixed`, RWKV-7): the metas are calibrated over a few forward + backward
+steps first (delayed scaling reads earlier steps' amaxes), the measurement uses the calibrated
+scales, every FP8 GEMM site gets its own sub-op (its floor: e4m3 operands at their ideal
+scale), and `Report.fp8` holds the scale / amax trajectories and the not-FP8 and clipping
+checks (`precision_fp8`).
 
 Family-neutral: the model is any class with the registry's interface (`lwm_jax.models.registry`:
 `Cls(cfg, policy, runtime=, rngs=)`, `__call__(tokens, probe=)`), rebuilt per policy from its
@@ -46,21 +53,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from lwm_jax.diagnostics import subops_llama, subops_rwkv7
+from lwm_jax.diagnostics import precision_fp8, subops_llama, subops_rwkv7
 from lwm_jax.diagnostics.nonfinite import probed_forward
-from lwm_jax.diagnostics.subops import (Context, Family, max_abs_error, nonfinite_count,
-                                        rel_error)
+from lwm_jax.diagnostics.subops import (STRICT_ROUNDING, Context, Family, max_abs_error,
+                                        nonfinite_count, rel_error)
 from lwm_jax.precision.loss_scale import loss_scale_for
 from lwm_jax.precision import Policy, parse_policy
 
 FAMILIES: dict[str, Family] = {"RWKV7": subops_rwkv7.FAMILY, "Llama": subops_llama.FAMILY}
 EXCESS_LIMIT = 8.0          # local error this many times the policy's floor = below contract
 FLOOR_MIN = 64 * 2.0**-24   # float32 arithmetic slack: floors below this count as this
-# Every value rounded to its dtype: XLA's default lets a fusion keep a 16-bit intermediate in
-# float32 ("excess precision"), so a downstream op would not see the value the probe recorded
-# (measured: the logits of a bf16-mixed RWKV-7 then differ from the head applied to the tapped
-# residual by 1.7e-3, the bf16 rounding). The report measures the policy as written.
-STRICT_ROUNDING = {"xla_allow_excess_precision": False}
 # On GPU, XLA's GEMM autotuning of the float32 (shadow) programs takes minutes at a 65536-entry
 # vocabulary (as for the fp32 train step, benchmarks/RESULTS.md): the report takes cuBLAS's
 # default algorithms instead, a valid implementation of the same policy (its rounding model,
@@ -104,8 +106,10 @@ class GradRow:
 
 @dataclasses.dataclass(frozen=True)
 class Worst:
-    """The worst offender. kind: "contract" (excess >= EXCESS_LIMIT), "nonfinite", or "policy"
-    (every op within its contract; the largest local error)."""
+    """The worst offender. kind: "contract" (excess >= EXCESS_LIMIT), "nonfinite", "not_fp8"
+    (under an FP8 policy, a GEMM meant to be FP8 that did not run as one; `layer` None and
+    `subop` "traced forward" for the model-wide float8 product count), or "policy" (every op
+    within its contract; the largest local error)."""
 
     layer: int | None
     subop: str
@@ -119,7 +123,8 @@ class Worst:
 class Report:
     """Everything `precision_report` measured (see the module docstring). `model_source` says
     which model was studied (a checkpoint, a warmed or a fresh initialisation); `warmed` names
-    the parameters `lwm_jax.diagnostics.warm` gave random values, if any."""
+    the parameters `lwm_jax.diagnostics.warm` gave random values, if any; `fp8` the FP8
+    section under an FP8 policy (`precision_fp8.Fp8Section`), else None."""
 
     family: str
     model: str
@@ -134,6 +139,7 @@ class Report:
     platform: str = "cpu"
     model_source: str = "the model given"
     warmed: tuple[str, ...] = ()
+    fp8: precision_fp8.Fp8Section | None = None
 
     @property
     def layers(self) -> int:
@@ -159,6 +165,7 @@ class _Run:
     loss_BT: np.ndarray
     grads: dict
     params: dict
+    metas: dict | None = None       # FP8: the metas the backward returned (host arrays)
 
 
 def _model_fn(model, policy: Policy):
@@ -175,29 +182,37 @@ def _token_loss(logits_BTV, targets_BT):
     return jax.nn.logsumexp(z, axis=-1) - picked
 
 
-def _run(model, params: dict, policy: Policy, inputs_BT, targets_BT, gradients: bool) -> _Run:
+def _run(model, params: dict, policy: Policy, inputs_BT, targets_BT, gradients: bool,
+         metas: dict | None = None) -> _Run:
     """Probed forward and (when `gradients`) the loss gradient of `model`'s parameters under
-    `policy` (an fp16 policy's gradient through its dynamic loss scale's initial scale)."""
+    `policy` (an fp16 policy's gradient through its dynamic loss scale's initial scale).
+    `metas`: an FP8 policy's metas (the forward quantizes with them; the backward, run in any
+    case, returns their updated values: `_Run.metas`)."""
     make = _model_fn(model, policy)
     p = policy.cast_to_param(params)
-    logits, records = probed_forward(make, p, inputs_BT, reduce=lambda name, x: x,
+    logits, records = probed_forward(make, precision_fp8.with_metas(p, metas), inputs_BT,
+                                     reduce=lambda name, x: x,
                                      compiler_options=_compiler_options())
     taps = {name: np.asarray(value) for name, value in jax.device_get(records)}
     loss = np.asarray(_token_loss(logits, targets_BT))
-    grads = _gradients(make, p, policy, inputs_BT, targets_BT) if gradients else {}
-    return _Run(taps, loss, grads, jax.device_get(p))
+    grads, returned = {}, None
+    if gradients or metas is not None:
+        grads, returned = _gradients(make, p, policy, inputs_BT, targets_BT, metas)
+    return _Run(taps, loss, grads if gradients else {}, jax.device_get(p), returned)
 
 
-def _gradients(make, params, policy: Policy, inputs_BT, targets_BT) -> dict:
+def _gradients(make, params, policy: Policy, inputs_BT, targets_BT, metas=None):
+    """`(parameter gradients, the FP8 metas the backward returned or None)`, on the host."""
     graphdef = nnx.split(nnx.eval_shape(make))[0]
     scale = loss_scale_for(policy)
 
-    def scaled_loss(p):
-        logits = nnx.merge(graphdef, p)(inputs_BT)
+    def scaled_loss(p, m):
+        logits = nnx.merge(graphdef, precision_fp8.with_metas(p, m))(inputs_BT)
         return scale.scale_loss(jnp.mean(_token_loss(logits, targets_BT)))
 
-    grads = jax.jit(jax.grad(scaled_loss), compiler_options=_compiler_options())(params)
-    return jax.device_get(scale.unscale(grads))
+    grads, returned = jax.jit(jax.grad(scaled_loss, argnums=(0, 1)),
+                              compiler_options=_compiler_options())(params, metas)
+    return jax.device_get(scale.unscale(grads)), jax.device_get(returned)
 
 
 def _f64_tree(tree):
@@ -208,7 +223,9 @@ def _f64_tree(tree):
 def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
                      shadow: Policy | str | None = "fp32", gradients: bool = True,
                      batch_info: dict | None = None, platform: str | None = None,
-                     model_source: str | None = None, warmed: tuple[str, ...] = ()) -> Report:
+                     model_source: str | None = None, warmed: tuple[str, ...] = (),
+                     fp8_metas: dict | None = None, fp8_calibration_steps: int | None = None,
+                     fp8_calibration_tokens=None, fp8_source: str | None = None) -> Report:
     """Measure `policy` against float64 formulas and a `shadow` policy on one batch.
 
     Args:
@@ -224,19 +241,34 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
       platform: the backend whose product rounding the floors model (`cpu`, `gpu`, `tpu`;
         default: the backend the runs use, `jax.default_backend()`).
       model_source, warmed: recorded as is (which model this is; `Report.model_source`).
+      fp8_metas: FP8 policy only: the starting metas, a nested dict of float32
+        `[L, 3, 1 + history]` arrays as the model holds them (`TrainState.fp8` of a training
+        checkpoint); None: the model's own `Fp8Meta` state if it recorded an amax, else fresh.
+      fp8_calibration_steps: FP8 only: forward + backward steps that update the metas before
+        the measurement (None: `precision_fp8.CALIBRATION_STEPS` from fresh metas, 0 from
+        recorded ones).
+      fp8_calibration_tokens: FP8 only: int `[N, B, T + 1]` batches of the calibration steps
+        (cycled); None: the report's batch at every step.
+      fp8_source: FP8 only: where `fp8_metas` came from, for the report.
     Returns:
       a `Report`.
     """
     family = family_of(model)
     policy = parse_policy(model.policy if policy is None else policy)
     shadow = None if shadow is None or shadow == "none" else parse_policy(shadow)
-    for examined in (policy, shadow):
-        if examined is not None and examined.fp8:
-            # its GEMMs quantize with scales calibrated over earlier steps, and the sub-op
-            # floors model bf16 / TF32 roundings only: a one-batch report would misstate it
-            raise ValueError(f"precision report: policy {examined.name!r} has FP8 GEMMs, which "
-                             "this report does not measure yet; examine 'bf16-mixed' for the "
-                             "rest of the model")
+    if shadow is not None and shadow.fp8:
+        raise ValueError(f"precision report: shadow {shadow.name!r} has FP8 GEMMs; the "
+                         "reference must compute more precisely than the policy (e.g. fp32)")
+    fp8_args = (fp8_metas, fp8_calibration_steps, fp8_calibration_tokens)
+    if policy.fp8:
+        if not family.fp8_subops:
+            raise ValueError(f"precision report: policy {policy.name!r} has FP8 GEMMs, whose "
+                             f"floors this report models for RWKV-7 only, not {family.name} "
+                             "yet; examine 'bf16-mixed'")
+        family = dataclasses.replace(family, subops=family.fp8_subops)
+    elif any(a is not None for a in fp8_args):
+        raise ValueError(f"precision report: fp8_metas / fp8_calibration_* apply to an FP8 "
+                         f"policy (fp8-mixed, g=fp8), not {policy.name!r}; drop them")
     gradients = gradients and shadow is not None
     tokens = np.asarray(tokens_BT1)
     if tokens.ndim != 2 or tokens.shape[1] < 2 or not np.issubdtype(tokens.dtype, np.integer):
@@ -244,7 +276,14 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
                          f"T >= 1, got shape {tokens.shape} dtype {tokens.dtype}")
     inputs, targets = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    run = _run(model, params, policy, inputs, targets, gradients)
+    cal = None
+    if policy.fp8:
+        cal = precision_fp8.calibrate(
+            model, _model_fn(model, policy), policy.cast_to_param(params), tokens,
+            token_loss=_token_loss, compiler_options=_compiler_options(), metas=fp8_metas,
+            steps=fp8_calibration_steps, tokens=fp8_calibration_tokens, source=fp8_source)
+    run = _run(model, params, policy, inputs, targets, gradients,
+               None if cal is None else cal.metas)
     ref = None if shadow is None else _run(model, params, shadow, inputs, targets, gradients)
     platform = jax.default_backend() if platform is None else platform
     ctx = Context(run.taps, _f64_tree(run.params), model.cfg, policy, np.asarray(inputs),
@@ -253,11 +292,13 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
     grads = tuple(_grad_rows(family, run.grads, ref.grads)) if gradients else ()
     info = {"batch_size": int(tokens.shape[0]), "seq_len": int(tokens.shape[1] - 1),
             **(batch_info or {})}
+    fp8 = None if cal is None else precision_fp8.section(cal, family, rows, run.metas, ctx)
     return Report(family.name, _describe(model.cfg), policy.name,
                   "none" if shadow is None else shadow.name, info, rows, grads,
-                  pick_worst(rows, policy, family, platform), float(np.mean(run.loss_BT)),
+                  pick_worst(rows, policy, family, platform, () if fp8 is None else fp8.not_fp8),
+                  float(np.mean(run.loss_BT)),
                   None if ref is None else float(np.mean(ref.loss_BT)), platform,
-                  model_source or Report.model_source, tuple(warmed))
+                  model_source or Report.model_source, tuple(warmed), fp8)
 
 
 def _describe(cfg) -> str:
@@ -311,8 +352,9 @@ def _grad_rows(family: Family, grads: dict, ref: dict):
 
 
 def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family,
-               platform: str = "cpu") -> Worst:
-    """The worst offender and the change that would fix it (see the module docstring)."""
+               platform: str = "cpu", not_fp8: tuple = ()) -> Worst:
+    """The worst offender and the change that would fix it (see the module docstring);
+    `not_fp8`: `precision_fp8.NotFp8` findings of an FP8 policy."""
     def make(row, kind, text):
         return Worst(row.layer, row.subop, kind, row.local_rel, row.excess, text)
 
@@ -327,7 +369,20 @@ def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family,
         return make(top, "contract", f"{where(top)}: local error {top.local_rel:.2e} is "
                     f"{top.excess:.0f}x what this policy's storage and products allow "
                     f"({top.floor_rel:.1e}): {fixes[top.subop]}")
+    if not_fp8:
+        n = not_fp8[0]
+        op = dict(family.fp8_gemms).get(n.site, n.site)
+        row = next((r for r in rows if r.subop == op and r.layer == n.layer), None)
+        what = (f"{n.site}: {n.why}, so a GEMM meant to be FP8 under {policy.name} is not"
+                if n.layer is None else f"{n.site} layer {n.layer} did not run as an FP8 GEMM "
+                f"under {policy.name} ({n.why})")
+        return Worst(n.layer, op, "not_fp8", math.nan if row is None else row.local_rel,
+                     math.nan if row is None else row.excess,
+                     f"{what}: give its product the site's meta "
+                     "(Policy.einsum(..., fp8_meta=p['fp8_<name>']))")
     top = max(rows, key=lambda r: r.local_rel)
+    if policy.fp8 and precision_fp8.is_fp8_row(top.subop, family.fp8_gemms):
+        return make(top, "policy", precision_fp8.advice(where(top), top.local_rel))
     return make(top, "policy", _policy_advice(top, policy, where(top), platform))
 
 
@@ -382,6 +437,8 @@ def format_table(report: Report) -> str:
     for g in report.grads:
         lines.append(f"{'-' if g.layer is None else g.layer:>5} {g.group:<10} "
                      f"{_fmt(g.rel):>10} {_fmt(g.max_abs):>10} {g.nonfinite:>9}")
+    if report.fp8 is not None:
+        lines += ["", *precision_fp8.format_lines(report.fp8)]
     w = report.worst
     lines += ["", f"worst offender ({w.kind}): "
               f"{w.subop if w.layer is None else f'layer {w.layer} {w.subop}'}",

@@ -37,6 +37,10 @@ def check_args(args: argparse.Namespace) -> None:
     if args.checkpoint is not None and args.no_warm:
         raise ValueError("--no-warm: a checkpoint is studied as loaded, never warmed; drop "
                          "--no-warm")
+    steps = getattr(args, "fp8_calibration_steps", None)
+    if steps is not None and steps < 0:
+        raise ValueError(f"--fp8-calibration-steps: must be >= 0, got {steps}; give the number "
+                         "of forward + backward steps that calibrate the FP8 scales (e.g. 8)")
     if args.checkpoint is None and args.format is not None:
         raise ValueError(f"--format {args.format}: names a checkpoint's format; give "
                          "--checkpoint PATH or drop --format")
@@ -46,12 +50,19 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size x --seq-len = {args.batch_size * args.seq_len} tokens; "
                          f"the report holds every layer's intermediate values, keep it <= "
                          f"{MAX_TOKENS}")
+    parsed = {}
     for flag, spec in (("--policy", args.policy), ("--shadow", args.shadow)):
         if spec is not None and not (flag == "--shadow" and spec == "none"):
             try:
-                parse_policy(spec)
+                parsed[flag] = parse_policy(spec)
             except ValueError as err:
                 raise ValueError(f"{flag}: {err}") from None
+    if "--shadow" in parsed and parsed["--shadow"].fp8:
+        raise ValueError(f"--shadow {args.shadow}: has FP8 GEMMs; the reference must compute "
+                         "more precisely than the policy examined (e.g. --shadow fp32)")
+    if steps is not None and "--policy" in parsed and not parsed["--policy"].fp8:
+        raise ValueError(f"--fp8-calibration-steps: applies to an FP8 policy (fp8-mixed, "
+                         f"g=fp8), not {args.policy!r}; drop it")
     check_output_dir(args.output, "--output")
 
 
@@ -104,19 +115,50 @@ def prepare_model(model, args: argparse.Namespace,
             f"report.json; --checkpoint RUN_DIR studies a trained model"), warmed
 
 
-def run_report(model, args: argparse.Namespace, policy: str, source: str | None = None) -> int:
+def fp8_calibration(args: argparse.Namespace, policy: str, vocab_size: int,
+                    recorded: bool) -> tuple[dict, dict]:
+    """`precision_report`'s FP8 keywords for `policy` (empty for a policy without FP8) and what
+    `report.json`'s batch records of them. Calibration batches are drawn as the report's batch
+    is, from seeds `--seed + 1`, `--seed + 2`, ... (so no step sees the measured batch); their
+    number is `--fp8-calibration-steps`, by default `CALIBRATION_STEPS`, or 0 when the metas
+    were `recorded` (a training run's)."""
+    steps = getattr(args, "fp8_calibration_steps", None)
+    if not parse_policy(policy).fp8:
+        if steps is not None:
+            raise ValueError(f"--fp8-calibration-steps: applies to an FP8 policy (fp8-mixed, "
+                             f"g=fp8), not {policy!r}; drop it")
+        return {}, {}
+    from lwm_jax.diagnostics.precision_fp8 import CALIBRATION_STEPS
+
+    steps = (0 if recorded else CALIBRATION_STEPS) if steps is None else steps
+    if steps == 0:
+        return {"fp8_calibration_steps": 0}, {"fp8_calibration": "none"}
+    batches = np.stack([report_tokens(vocab_size, args.data, args.batch_size, args.seq_len,
+                                      args.seed + 1 + i)[0] for i in range(steps)])
+    return ({"fp8_calibration_steps": steps, "fp8_calibration_tokens": batches},
+            {"fp8_calibration": f"{steps} batches drawn as this one, seeds {args.seed + 1}.."
+                                f"{args.seed + steps}"})
+
+
+def run_report(model, args: argparse.Namespace, policy: str, source: str | None = None,
+               fp8_metas: dict | None = None, fp8_source: str | None = None) -> int:
     """Report on `model` (warmed first, see `prepare_model`) under `policy` with the batch and
-    outputs `args` name; prints the table and the paths written. Returns 0, or 3 when the
-    policy run produced a non-finite value."""
+    outputs `args` name; prints the table and the paths written. `fp8_metas` / `fp8_source`:
+    an FP8 policy's starting metas and where they came from (a training run's), or None.
+    Returns 0, or 3 when the policy run produced a non-finite value."""
     from lwm_jax.diagnostics.precision_plot import plot_heatmap
     from lwm_jax.diagnostics.precision_report import format_table, precision_report, write_json
 
+    fp8_kw, fp8_info = fp8_calibration(args, policy, model.cfg.vocab_size,
+                                       fp8_metas is not None)
+    if fp8_metas is not None and fp8_kw:
+        fp8_kw.update(fp8_metas=fp8_metas, fp8_source=fp8_source)
     tokens, info = report_tokens(model.cfg.vocab_size, args.data, args.batch_size,
                                  args.seq_len, args.seed)
     model_source, warmed = prepare_model(model, args, source)
     report = precision_report(model, tokens, policy, shadow=args.shadow,
-                              gradients=not args.no_gradients, batch_info=info,
-                              model_source=model_source, warmed=warmed)
+                              gradients=not args.no_gradients, batch_info={**info, **fp8_info},
+                              model_source=model_source, warmed=warmed, **fp8_kw)
     print(format_table(report))
     os.makedirs(args.output, exist_ok=True)
     json_path = os.path.join(args.output, "report.json")

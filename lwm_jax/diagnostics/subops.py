@@ -9,7 +9,9 @@ exact arithmetic in between, and the operands of its products rounded as the bac
 float32 at the policy's matmul precision: TF32 on GPU, bf16 passes on TPU, see
 `PRODUCT_MANTISSA_BITS`): the best any implementation of that policy can do. A local error
 far above the floor means the op computes less precisely than the policy promises (a lost fp32
-island, a low-precision product); one at the floor is the price of the policy itself.
+island, a low-precision product); one at the floor is the price of the policy itself. Under an
+FP8 policy the block GEMMs' operands round to float8 e4m3 at their ideal per-tensor scale
+(`e4m3_operand`, `Context.gemm_operand`): the floor of delayed scaling that works.
 
 Family tables (`subops_rwkv7`, `subops_llama`) are data plus NumPy formulas written from the
 papers' math; this package imports no model code (models import the probe from here).
@@ -61,6 +63,12 @@ class Context:
         bits = self.product_bits(which)
         x = np.asarray(x, np.float64)
         return x if bits is None else round_mantissa(x, bits)
+
+    def gemm_operand(self, x) -> np.ndarray:
+        """`x` as an operand of a block GEMM (a projection that owns an FP8 meta under an FP8
+        policy), float64: rounded to e4m3 at its own per-tensor scale under an FP8 policy
+        (`e4m3_operand`: the FP8 floor), else as any product operand (`product`)."""
+        return e4m3_operand(x) if getattr(self.policy, "fp8", False) else self.product(x)
 
     def tap(self, name: str) -> np.ndarray:
         """A tapped value as float64 (ValueError naming the tap when the model has none)."""
@@ -118,16 +126,28 @@ class Family:
     warm_std: `(path tuple, float64 value) -> std or None`: the standard deviation of the
       Gaussian noise `lwm_jax.diagnostics.warm` adds to a parameter whose initial value is
       degenerate (a zero-initialised projection, a constant norm weight, ...), None to keep it.
+    fp8_subops: the sub-op table under an FP8 policy (every sub-op in execution order: the
+      regular ones, whose block-GEMM floors then take e4m3 operands, plus one per FP8 GEMM
+      site); empty where the family's FP8 GEMMs are not modelled (the report refuses them).
+    fp8_gemms: `(site, sub-op name)` pairs: the FP8 GEMM site (its meta's path without
+      `blocks/` and `fp8_`, e.g. `att/receptance`) whose output the sub-op measures alone.
     """
 
     name: str
     subops: tuple[SubOp, ...]
     grad_group: Callable[[tuple[str, ...]], str]
     warm_std: Callable[[tuple[str, ...], np.ndarray], float | None]
+    fp8_subops: tuple[SubOp, ...] = ()
+    fp8_gemms: tuple[tuple[str, str], ...] = ()
 
 
 # ----------------------------------------------------------------------------- helpers
 F32 = jnp.dtype(jnp.float32)
+# Every value rounded to its dtype: XLA's default lets a fusion keep a 16-bit intermediate in
+# float32 ("excess precision"), so a downstream op would not see the value the probe recorded
+# (measured: the logits of a bf16-mixed RWKV-7 then differ from the head applied to the tapped
+# residual by 1.7e-3, the bf16 rounding). The report measures the policy as written.
+STRICT_ROUNDING = {"xla_allow_excess_precision": False}
 WARM_VECTOR_STD = 0.1      # noise of a warmed vector (norm weight / bias, per-head constants)
 
 
@@ -166,6 +186,35 @@ def round_mantissa(x, bits: int) -> np.ndarray:
     already fits)."""
     mant, exp = np.frexp(np.asarray(x, np.float64))        # x = mant * 2**exp, |mant| in [0.5, 1)
     return np.ldexp(np.rint(np.ldexp(mant, bits + 1)), exp - (bits + 1))
+
+
+E4M3_MAX = float(jnp.finfo(jnp.float8_e4m3fn).max)     # 448
+
+
+def pow2_scale(amax: float, fmax: float = E4M3_MAX) -> float:
+    """The power of two at or above `amax / fmax` (1 for amax 0 or not finite): the delayed-
+    scaling recipe's scale (`lwm_jax.precision.fp8`) for a tensor whose largest magnitude is
+    `amax`, so that it maps into the format's top binade."""
+    if not (amax > 0 and np.isfinite(amax)):
+        return 1.0
+    mant, expo = np.frexp(amax / fmax)          # amax / fmax = mant * 2^expo, mant in [1/2, 1)
+    return float(np.ldexp(1.0, int(expo) - 1 if mant == 0.5 else int(expo)))
+
+
+def e4m3_operand(x) -> np.ndarray:
+    """`x` (float64) as an FP8 GEMM's forward operand at the *ideal* delayed scale: divided by
+    `pow2_scale(max |x|)` (the scale a history holding this very tensor's amax gives), rounded
+    to float8 e4m3 (3 mantissa bits, nearest-even, clipped to +-448) and scaled back; float64.
+
+    The FP8 floor of a block GEMM: what its policy asks for with scaling that works. A GEMM
+    that ran in bf16 instead measures ~20x below it (8 mantissa bits); one whose delayed scale
+    is far off (a lost or stale scale: values clipped at 448 or flushed below e4m3's smallest
+    subnormal, 2^-9) measures far above it."""
+    x = np.asarray(x, np.float64)
+    finite = x[np.isfinite(x)]
+    scale = pow2_scale(float(np.max(np.abs(finite), initial=0.0)))
+    q = np.clip(x / scale, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(np.float64)
+    return q * scale
 
 
 def storage(x, dtype) -> np.ndarray:

@@ -13,18 +13,23 @@ from a value the policy run tapped, so its local error is its own:
 | ffn       | `ffn/out`                | `x_att` via ln2 + mix                | k, k W, relu², out in compute dtype |
 | logits    | `logits`                 | last `x_out`                         | output dtype        |
 
+Under an FP8 policy the table is `FP8_SUBOPS`: the same ops (the FFN's floor with e4m3 GEMM
+operands) plus one per FP8 GEMM site (`att_r`, `att_k`, `att_v`, `att_o`, `ffn_k`, `ffn_v`;
+`FP8_GEMMS` maps each meta site to its op), each on its input as the policy formed it.
+
 The report runs each sequence from a fresh state (token shift and WKV state zero at t = 0).
 """
 from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lwm_jax.diagnostics.subops import (F32, LOSS, Context, Family, Local, SubOp, group_norm64,
-                                        layer_norm64, logits_from, projection_or_vector_std,
-                                        shift64, sigmoid64, storage)
+from lwm_jax.diagnostics.subops import (F32, LOSS, STRICT_ROUNDING, Context, Family, Local,
+                                        SubOp, group_norm64, layer_norm64, logits_from,
+                                        projection_or_vector_std, shift64, sigmoid64, storage)
 from lwm_jax.ops.wkv7.chunk_math import RoundedOperands
 from lwm_jax.ops.wkv7.chunked import wkv7_chunked
 from lwm_jax.ops.wkv7.reference import wkv7_reference_np
@@ -113,13 +118,14 @@ def ln_x_local(ctx: Context, layer: int) -> Local:
 
 def ffn_local(ctx: Context, layer: int) -> Local:
     """ChannelMix `relu(k W_key)² W_value` from the run's `x_att`; floor: k, k W_key, the
-    squares and the output stored in the compute dtype, products at the matmul precision."""
+    squares and the output stored in the compute dtype, products at the matmul precision
+    (under an FP8 policy both GEMMs' operands in e4m3: `Context.gemm_operand`)."""
     p = _layer(ctx, "ffn", layer)
-    cd, prod = ctx.compute_dtype, ctx.product
+    cd, gemm = ctx.compute_dtype, ctx.gemm_operand
     k = _mixed(ctx, ctx.tap(f"layer{layer}/x_att"), "ln2", p["x_k"], layer)
     ref = np.square(np.maximum(k @ p["key"], 0.0)) @ p["value"]
-    pre = storage(prod(storage(k, cd)) @ prod(p["key"]), cd)
-    floor = storage(prod(storage(np.square(np.maximum(pre, 0.0)), cd)) @ prod(p["value"]), cd)
+    pre = storage(gemm(storage(k, cd)) @ gemm(p["key"]), cd)
+    floor = storage(gemm(storage(np.square(np.maximum(pre, 0.0)), cd)) @ gemm(p["value"]), cd)
     return Local(ctx.tap(f"layer{layer}/ffn/out"), ref, floor)
 
 
@@ -164,6 +170,149 @@ SUBOPS = (
 )
 
 
+# ---------------------------------------------------------------- FP8 GEMMs (fp8-mixed)
+# One sub-op per FP8 GEMM site, measured on its input as the policy formed it: the token-shift
+# mixes, gates and bonus are re-formed in float64 with every value the policy stores in the
+# compute dtype rounded there (`_in_cd`), so the local error is the GEMM's own (plus the output
+# rounding and, for key / value, the elementwise step after it). Floor: operands in e4m3 at
+# their ideal scale (`Context.gemm_operand`), product stored in the compute dtype.
+
+
+def _in_cd(ctx: Context):
+    return lambda x: storage(x, ctx.compute_dtype)
+
+
+def _policy_mixes(ctx: Context, x_BTC, norm: str, mixes, layer: int) -> list:
+    """`x + (shift(x) - x) * mu` per mu as `token_shift_mixes` forms them: `x = ln(x_BTC)`
+    stored in the compute dtype, the difference, the product (mu in the compute dtype) and the
+    sum each rounded there. float64 `[B, T, C]` arrays."""
+    cd = _in_cd(ctx)
+    ln = _layer(ctx, norm, layer)
+    xn = cd(layer_norm64(x_BTC, ln["weight"], ln["bias"]))
+    xx = cd(shift64(xn) - xn)
+    return [cd(xn + cd(xx * cd(mu))) for mu in mixes]
+
+
+def _policy_sigmoid(ctx: Context, z):
+    """`sigmoid(z)` of a compute-dtype `z` as the policy's program computes it, float64: XLA
+    computes the logistic op in steps that each round to a 16-bit dtype on some backends
+    (XLA:CPU: `exp`, `1 +`, `1 /`), so a float64 sigmoid rounded once would differ from the
+    run's gate in ~1 entry of 5."""
+    return np.asarray(_SIGMOID(jnp.asarray(z, ctx.compute_dtype)), np.float64)
+
+
+_SIGMOID = jax.jit(jax.nn.sigmoid, compiler_options=STRICT_ROUNDING)
+
+
+def _gemm(ctx: Context, x, w):
+    """(`x @ w` in float64, its floor: operands as `Context.gemm_operand`, product stored in
+    the compute dtype)."""
+    return x @ w, storage(ctx.gemm_operand(x) @ ctx.gemm_operand(w), ctx.compute_dtype)
+
+
+def _att_inputs(ctx: Context, layer: int) -> dict:
+    key = ("att_gemm_inputs", layer)
+    if key not in ctx.memo:
+        p = _layer(ctx, "att", layer)
+        xr, xk, xv = _policy_mixes(ctx, _layer_input(ctx, layer), "ln1",
+                                   (p["x_r"], p["x_k"], p["x_v"]), layer)
+        ctx.memo[key] = {"r": xr, "k": xk, "v": xv}
+    return ctx.memo[key]
+
+
+def _flat(x):
+    return x.reshape(*x.shape[:2], -1)
+
+
+def att_r_local(ctx: Context, layer: int) -> Local:
+    """TimeMix receptance `r = x_r W_r` (tap `att/r`)."""
+    ref, floor = _gemm(ctx, _att_inputs(ctx, layer)["r"], _layer(ctx, "att", layer)["receptance"])
+    return Local(_flat(ctx.tap(f"layer{layer}/att/r")), ref, floor)
+
+
+def att_k_local(ctx: Context, layer: int) -> Local:
+    """TimeMix key `k = (x_k W_k) (1 + (a - 1) k_a)` (tap `att/k`, after the in-context rate's
+    factor, which the policy forms from the tapped `a` in the compute dtype)."""
+    cd, p = _in_cd(ctx), _layer(ctx, "att", layer)
+    factor = cd(1.0 + cd(cd(ctx.tap(f"layer{layer}/att/a") - 1.0) * cd(p["k_a"])))
+    ref, floor = _gemm(ctx, _att_inputs(ctx, layer)["k"], p["key"])
+    return Local(_flat(ctx.tap(f"layer{layer}/att/k")), ref * factor, cd(floor * factor))
+
+
+def att_v_local(ctx: Context, layer: int) -> Local:
+    """TimeMix value `v = x_v W_v`, past layer 0 mixed with layer 0's value by the value gate
+    `sigmoid(v0 + (x_v v1) v2)` (tap `att/v`; the gate formed as the policy does, layer 0's
+    value its tap)."""
+    cd, p = _in_cd(ctx), _layer(ctx, "att", layer)
+    xv = _att_inputs(ctx, layer)["v"]
+    ref, floor = _gemm(ctx, xv, p["value"])
+    if layer > 0:
+        lora = cd(cd(xv @ cd(p["v1"])) @ cd(p["v2"]))
+        gate = _policy_sigmoid(ctx, cd(lora + cd(p["v0"])))
+        first = _flat(ctx.tap("layer0/att/v"))
+        ref = ref + (first - ref) * gate
+        floor = cd(floor + cd(cd(first - floor) * gate))
+    return Local(_flat(ctx.tap(f"layer{layer}/att/v")), ref, floor)
+
+
+def att_o_local(ctx: Context, layer: int) -> Local:
+    """TimeMix output projection `(y g) W_o`, `y = ln_x + (sum(r k r_k) v)` per head, formed
+    from the run's taps as the policy forms it (tap `att/out`)."""
+    cd, p, t = _in_cd(ctx), _layer(ctx, "att", layer), f"layer{layer}/att/"
+    r, k, v = (ctx.tap(t + n) for n in ("r", "k", "v"))
+    bonus = cd(np.sum(cd(cd(r * k) * cd(p["r_k"])), axis=-1, keepdims=True))
+    y = cd(ctx.tap(t + "ln_x") + _flat(cd(bonus * v)))
+    ref, floor = _gemm(ctx, cd(y * ctx.tap(t + "g")), p["output"])
+    return Local(ctx.tap(t + "out"), ref, floor)
+
+
+def _ffn_key_input(ctx: Context, layer: int):
+    p = _layer(ctx, "ffn", layer)
+    return _policy_mixes(ctx, ctx.tap(f"layer{layer}/x_att"), "ln2", (p["x_k"],), layer)[0]
+
+
+def ffn_k_local(ctx: Context, layer: int) -> Local:
+    """ChannelMix key GEMM through the squared ReLU, `relu(k W_key)²` (tap `ffn/hidden`)."""
+    ref, floor = _gemm(ctx, _ffn_key_input(ctx, layer), _layer(ctx, "ffn", layer)["key"])
+    sq = lambda x: np.square(np.maximum(x, 0.0))  # noqa: E731
+    return Local(ctx.tap(f"layer{layer}/ffn/hidden"), sq(ref), storage(sq(floor),
+                                                                       ctx.compute_dtype))
+
+
+def ffn_v_local(ctx: Context, layer: int) -> Local:
+    """ChannelMix value GEMM on the run's hidden layer (tap `ffn/hidden` -> `ffn/out`)."""
+    ref, floor = _gemm(ctx, ctx.tap(f"layer{layer}/ffn/hidden"),
+                       _layer(ctx, "ffn", layer)["value"])
+    return Local(ctx.tap(f"layer{layer}/ffn/out"), ref, floor)
+
+
+FP8_FIX = ("this FP8 GEMM loses more than e4m3 rounding at a working scale: its delayed scale "
+           "is stale or lost (values clipped at 448 x scale or flushed below 2^-9 x scale); "
+           "read its scale / amax trajectory (the report's fp8 section), calibrate longer "
+           "(--fp8-calibration-steps) or keep this GEMM in bf16")
+FP8_GEMM_SUBOPS = {
+    "att_r": SubOp("att_r", "layer", "att/r", att_r_local,
+                   "TimeMix receptance GEMM x_r W_r (FP8)", FP8_FIX),
+    "att_k": SubOp("att_k", "layer", "att/k", att_k_local,
+                   "TimeMix key GEMM x_k W_k (FP8), times (1 + (a - 1) k_a)", FP8_FIX),
+    "att_v": SubOp("att_v", "layer", "att/v", att_v_local,
+                   "TimeMix value GEMM x_v W_v (FP8), value-residual gate after layer 0",
+                   FP8_FIX),
+    "att_o": SubOp("att_o", "layer", "att/out", att_o_local,
+                   "TimeMix output GEMM (y g) W_o (FP8)", FP8_FIX),
+    "ffn_k": SubOp("ffn_k", "layer", "ffn/hidden", ffn_k_local,
+                   "ChannelMix key GEMM relu(k W_key)^2 (FP8)", FP8_FIX),
+    "ffn_v": SubOp("ffn_v", "layer", "ffn/out", ffn_v_local,
+                   "ChannelMix value GEMM hidden W_value (FP8)", FP8_FIX),
+}
+FP8_GEMMS = (("att/receptance", "att_r"), ("att/key", "att_k"), ("att/value", "att_v"),
+             ("att/output", "att_o"), ("ffn/key", "ffn_k"), ("ffn/value", "ffn_v"))
+_BY_NAME = {op.name: op for op in SUBOPS} | FP8_GEMM_SUBOPS
+FP8_SUBOPS = tuple(_BY_NAME[n] for n in (
+    "att_r", "att_k", "att_v", "decay", "wkv", "wkv_state", "ln_x", "att_o", "ffn_k", "ffn_v",
+    "ffn", "logits", "loss"))
+
+
 def grad_group(path: tuple[str, ...]) -> str:
     """Parameter group of a gradient leaf (per layer under `blocks`)."""
     if path[0] != "blocks":
@@ -200,4 +349,4 @@ def warm_std(path: tuple[str, ...], x) -> float | None:
     return projection_or_vector_std(path, x, PROJECTIONS)
 
 
-FAMILY = Family("rwkv7", SUBOPS, grad_group, warm_std)
+FAMILY = Family("rwkv7", SUBOPS, grad_group, warm_std, FP8_SUBOPS, FP8_GEMMS)

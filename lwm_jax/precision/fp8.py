@@ -238,6 +238,21 @@ def current_amax(meta) -> jax.Array:
     return meta[..., 1]
 
 
+def float8_dots(jaxpr) -> int:
+    """How many dot_generals of `jaxpr` (a `jax.core.Jaxpr`; sub-jaxprs included, each counted
+    once) take only float8 operands: one per product of an FP8 GEMM in `fp8_einsum`'s default
+    form, three per GEMM in a differentiated program (forward, two gradients)."""
+    import jax.extend
+    count = 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "dot_general" and all(
+                "float8" in str(v.aval.dtype) for v in eqn.invars):
+            count += 1
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            count += float8_dots(sub)
+    return count
+
+
 def largest_amax(metas: dict) -> str:
     """One phrase naming the FP8 GEMM tensor with the largest recorded amax (the newest
     entry of every site, layer and row): where a diverging FP8 run's values grew most.

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lwm_jax.precision import fp8
 from lwm_jax.train.config import load_config
 from lwm_jax.train.trainer import build_program, train
 
@@ -29,20 +30,6 @@ pytestmark = pytest.mark.usefixtures("compile_cache")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _f8_dots(jaxpr) -> int:
-    """dot_generals in `jaxpr` (sub-jaxprs included, each counted once) whose operands are
-    float8."""
-    import jax.extend
-    count = 0
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general" and all(
-                "float8" in str(v.aval.dtype) for v in eqn.invars):
-            count += 1
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            count += _f8_dots(sub)
-    return count
-
-
 @pytest.mark.parametrize("precision, want", [("fp8-mixed", 2 * 6 * 3), ("bf16-mixed", 0)])
 def test_every_block_gemm_is_fp8(precision, want):
     """Without the layer scan each of the 2 layers' 6 block GEMMs (time-mix r/k/v/output,
@@ -52,7 +39,7 @@ def test_every_block_gemm_is_fp8(precision, want):
                                             "runtime.scan_layers=false"]))
     tokens = jnp.zeros((4, 33), jnp.int32)
     jaxpr = jax.make_jaxpr(prog.train_step)(prog.abstract_state, tokens)
-    assert _f8_dots(jaxpr.jaxpr) == want
+    assert fp8.float8_dots(jaxpr.jaxpr) == want
 
 
 @pytest.mark.parametrize("config, want", [
@@ -73,7 +60,7 @@ def test_llama_and_hybrid_gemms_are_fp8_and_their_scales_follow(config, want):
     prog = build_program(load_config(config, over))
     tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 33), 0, 256)
     jaxpr = jax.make_jaxpr(prog.train_step)(prog.abstract_state, tokens)
-    assert _f8_dots(jaxpr.jaxpr) == want
+    assert fp8.float8_dots(jaxpr.jaxpr) == want
     state = prog.init_state()
     state, m1 = prog.train_step(state, tokens)
     one = jax.device_get(state.fp8)
