@@ -10,6 +10,8 @@
 #   bash tools/device_fp8.sh parity       # 300 steps of the 0.1B parity run, bf16-mixed and fp8-mixed
 #                                         # (~2.5 min each on an H100; needs .peer/parity/batches.npy:
 #                                         # `python benchmarks/train_parity.py data --out .peer/parity`)
+#   bash tools/device_fp8.sh profile [..] # the 0.1B step, bf16-mixed then fp8-mixed, top GPU ops of each
+#                                         # (where FP8's extra time goes; extra args: train_step.py's)
 #   bash tools/device_fp8.sh tests        # the FP8 test files on the GPU
 set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
@@ -37,9 +39,14 @@ case "$mode" in
     done
     python3 benchmarks/train_parity.py report --runs "$OUT/ours_bf16-mixed.jsonl" \
       "$OUT/ours_fp8-mixed.jsonl" --reference ours_bf16-mixed --png "$OUT/parity_fp8.png" ;;
+  profile)
+    for p in bf16-mixed fp8-mixed; do
+      python3 benchmarks/train_step.py --models 0.1b --precisions "$p" --steps 5 --warmup 2 \
+        --profile "/tmp/prof_$p" --out "$OUT/fp8_profile.jsonl" "$@" 2>&1 | tail -40
+    done ;;
   tests)
     python3 -m pytest -q -n 4 tests/test_fp8.py tests/train/test_fp8_training.py \
       tests/aot/test_compile_fp8.py tests/test_precision.py \
       tests/train/test_checkpoint_resume.py 2>&1 | tail -15 ;;
-  *) echo "usage: $0 gemm|step|parity|tests [args]" >&2; exit 2 ;;
+  *) echo "usage: $0 gemm|step|parity|profile|tests [args]" >&2; exit 2 ;;
 esac
