@@ -232,8 +232,8 @@ def test_cli_studies_a_checkpoint_as_loaded(tmp_path, capsys):
     (["--policy", "bf16-mixed", "--fp8-calibration-steps", "2"],
      "--fp8-calibration-steps: applies to an FP8 policy (fp8-mixed, g=fp8), not 'bf16-mixed'"),
     (["--policy", "fp8-mixed", "--shadow", "fp8-mixed"], "--shadow fp8-mixed: has FP8 GEMMs"),
-    (["--policy", "fp8-mixed", "--config", "configs/llama-tiny.yaml"],
-     "models for RWKV-7 only, not llama"),
+    (["--policy", "fp8-mixed", "--config", "configs/rwkv7-hybrid-tiny.yaml"],
+     "no sub-op table for model class RWKVHybrid"),
 ])
 def test_bad_input_is_one_line(tmp_path, capsys, argv, needle):
     status = main(["precision-report", "--output", str(tmp_path / "r"), *argv])

@@ -338,8 +338,10 @@ def _order(family, site: str) -> int:
     return order.index(site) if site in order else len(order)
 
 
-def is_fp8_row(subop: str, gemms) -> bool:
-    return subop in {op for _, op in gemms} or subop == "ffn"
+def is_fp8_row(subop: str, family) -> bool:
+    """Whether a sub-op's error under an FP8 policy is its FP8 GEMMs' e4m3 rounding: a GEMM
+    site's op or one of `family.fp8_spans` (RWKV-7's `ffn`: both ChannelMix GEMMs)."""
+    return subop in {op for _, op in family.fp8_gemms} or subop in family.fp8_spans
 
 
 # ------------------------------------------------------------------------------- output

@@ -27,7 +27,7 @@ a non-finite value (the first in execution order); else, under an FP8 policy, a 
 be FP8 that did not run as one; otherwise the op with the largest local error (the cost of the
 policy itself). `Report.worst.suggestion` says what would fix it.
 
-FP8 policies (`fp8-mixed`, RWKV-7): the metas are calibrated over a few forward + backward
+FP8 policies (`fp8-mixed`; RWKV-7 and LLaMA): the metas are calibrated over a few forward + backward
 steps first (delayed scaling reads earlier steps' amaxes), the measurement uses the calibrated
 scales, every FP8 GEMM site gets its own sub-op (its floor: e4m3 operands at their ideal
 scale), and `Report.fp8` holds the scale / amax trajectories and the not-FP8 and clipping
@@ -263,8 +263,8 @@ def precision_report(model, tokens_BT1, policy: Policy | str | None = None, *,
     if policy.fp8:
         if not family.fp8_subops:
             raise ValueError(f"precision report: policy {policy.name!r} has FP8 GEMMs, whose "
-                             f"floors this report models for RWKV-7 only, not {family.name} "
-                             "yet; examine 'bf16-mixed'")
+                             f"floors this report models for RWKV-7 and LLaMA only, not "
+                             f"{family.name} yet; examine 'bf16-mixed'")
         family = dataclasses.replace(family, subops=family.fp8_subops)
     elif any(a is not None for a in fp8_args):
         raise ValueError(f"precision report: fp8_metas / fp8_calibration_* apply to an FP8 "
@@ -381,7 +381,7 @@ def pick_worst(rows: tuple[Row, ...], policy: Policy, family: Family,
                      f"{what}: give its product the site's meta "
                      "(Policy.einsum(..., fp8_meta=p['fp8_<name>']))")
     top = max(rows, key=lambda r: r.local_rel)
-    if policy.fp8 and precision_fp8.is_fp8_row(top.subop, family.fp8_gemms):
+    if policy.fp8 and precision_fp8.is_fp8_row(top.subop, family):
         return make(top, "policy", precision_fp8.advice(where(top), top.local_rel))
     return make(top, "policy", _policy_advice(top, policy, where(top), platform))
 

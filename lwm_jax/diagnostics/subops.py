@@ -131,6 +131,9 @@ class Family:
       site); empty where the family's FP8 GEMMs are not modelled (the report refuses them).
     fp8_gemms: `(site, sub-op name)` pairs: the FP8 GEMM site (its meta's path without
       `blocks/` and `fp8_`, e.g. `att/receptance`) whose output the sub-op measures alone.
+    fp8_spans: regular sub-ops whose error under an FP8 policy is mostly their FP8 GEMMs'
+      e4m3 rounding (LLaMA's `attention` and `mlp`): when one is the largest local error the
+      report's advice names the FP8 policy's price, as for a GEMM row.
     """
 
     name: str
@@ -139,6 +142,7 @@ class Family:
     warm_std: Callable[[tuple[str, ...], np.ndarray], float | None]
     fp8_subops: tuple[SubOp, ...] = ()
     fp8_gemms: tuple[tuple[str, str], ...] = ()
+    fp8_spans: tuple[str, ...] = ()
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -9,11 +9,20 @@ logits, loss.
 | mlp       | tap `mlp_out`                        | tap `x_att`               | normed x, silu(g) u and out in compute dtype; g, u float32 |
 | logits    | tap `logits`                         | last `x_out`              | output dtype       |
 
-The Llama block taps only its sublayer outputs, so RMSNorm and RoPE are measured in isolation:
-the library's own functions (`lwm_jax.layers.rms_norm`, `lwm_jax.layers.rope`) called as the
-block calls them, on the run's values (no end-to-end column for them).
+RMSNorm and RoPE are measured in isolation: the library's own functions
+(`lwm_jax.layers.rms_norm`, `lwm_jax.layers.rope`) called as the block calls them, on the run's
+values (no end-to-end column for them).
+
+Under an FP8 policy the table is `FP8_SUBOPS`: the same ops (the attention's and MLP's floors
+with e4m3 operands in their projections, `Context.gemm_operand`) plus one per FP8 GEMM site
+(`attn_q`, `attn_k`, `attn_v`, `attn_o`, `mlp_gate`, `mlp_up`, `mlp_down`; `FP8_GEMMS` maps each
+meta site to its op), each on its input as the policy formed it: the block's taps `attn_in`,
+`attn/heads`, `mlp_in`, `mlp/hidden` (`lwm_jax.models.llama.block.block_forward`), so the local
+error is the GEMM's own.
 """
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import numpy as np
@@ -39,20 +48,22 @@ def _rope64(x_BTHD, cos_TK, sin_TK):
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
-def _attention64(x_BTC, p, norm_w, cfg, store, prod=lambda a: a):
+def _attention64(x_BTC, p, norm_w, cfg, store, prod=lambda a: a, gemm=None):
     """One layer's attention sublayer in float64; `store(x)` is applied wherever the block
-    stores a value and `prod(x)` to every product operand (identity for the reference;
-    compute-dtype rounding and the backend's product rounding for the floor)."""
+    stores a value, `prod(x)` to every product operand and `gemm(x)` (default `prod`) to the
+    projections' operands (identity for the reference; compute-dtype rounding and the
+    backend's product rounding for the floor, e4m3 projection operands under FP8)."""
+    gemm = prod if gemm is None else gemm
     B, T, _ = x_BTC.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
     angle = np.arange(T, dtype=np.float64)[:, None] * _freqs(cfg)[None, :]
     cos, sin = np.cos(angle), np.sin(angle)
     h = store(rms_norm64(x_BTC, norm_w, cfg.rms_eps))
-    h = prod(h)
-    q = _rope64(store(h @ prod(p["q"])).reshape(B, T, H, D), cos, sin)
-    k = _rope64(store(h @ prod(p["k"])).reshape(B, T, K, D), cos, sin)
+    h = gemm(h)
+    q = _rope64(store(h @ gemm(p["q"])).reshape(B, T, H, D), cos, sin)
+    k = _rope64(store(h @ gemm(p["k"])).reshape(B, T, K, D), cos, sin)
     q, k = prod(store(q)), prod(store(k))
-    v = prod(store(h @ prod(p["v"]))).reshape(B, T, K, D)
+    v = prod(store(h @ gemm(p["v"]))).reshape(B, T, K, D)
     causal = np.tril(np.ones((T, T), bool))
     heads = []
     for i in range(H):
@@ -62,18 +73,19 @@ def _attention64(x_BTC, p, norm_w, cfg, store, prod=lambda a: a):
         e = np.exp(scores - scores.max(-1, keepdims=True))
         probs = prod(store(e / e.sum(-1, keepdims=True)))
         heads.append(store(np.einsum("bts,bsd->btd", probs, v[:, :, j])))
-    return store(prod(np.concatenate(heads, -1)) @ prod(p["o"]))
+    return store(gemm(np.concatenate(heads, -1)) @ gemm(p["o"]))
 
 
 def attention_local(ctx: Context, layer: int) -> Local:
     """RMSNorm, q/k/v, RoPE, causal softmax attention (GQA) and the output projection, from
-    the run's layer input."""
+    the run's layer input (under FP8 the floor's projections take e4m3 operands)."""
     cfg, cd = ctx.cfg, ctx.compute_dtype
     x = ctx.tap("emb" if layer == 0 else f"layer{layer - 1}/x_out")
     p = _layer(ctx, "attn", layer)
     w = ctx.params["blocks"]["attn_norm"]["weight"][layer]
     ref = _attention64(x, p, w, cfg, lambda a: a)
-    floor = _attention64(x, p, w, cfg, lambda a: storage(a, cd), ctx.product)
+    floor = _attention64(x, p, w, cfg, lambda a: storage(a, cd), ctx.product,
+                         ctx.gemm_operand)
     return Local(ctx.tap(f"layer{layer}/attn_out"), ref, floor)
 
 
@@ -90,20 +102,21 @@ def rmsnorm_local(ctx: Context, layer: int) -> Local:
 
 
 def mlp_local(ctx: Context, layer: int) -> Local:
-    """SwiGLU `down(silu(gate h) * up h)`, h = RMSNorm(x_att), from the run's `x_att`."""
+    """SwiGLU `down(silu(gate h) * up h)`, h = RMSNorm(x_att), from the run's `x_att` (the
+    floor's three GEMMs with operands as `Context.gemm_operand`: e4m3 under FP8)."""
     cd = ctx.compute_dtype
     p = _layer(ctx, "mlp", layer)
     w = ctx.params["blocks"]["mlp_norm"]["weight"][layer]
     h = rms_norm64(ctx.tap(f"layer{layer}/x_att"), w, ctx.cfg.rms_eps)
 
-    def swiglu(h, store, store32, prod):
-        h = prod(h)
-        g, u = store32(h @ prod(p["gate"])), store32(h @ prod(p["up"]))
-        return store(prod(store(g / (1.0 + np.exp(-g)) * u)) @ prod(p["down"]))
+    def swiglu(h, store, store32, gemm):
+        h = gemm(h)
+        g, u = store32(h @ gemm(p["gate"])), store32(h @ gemm(p["up"]))
+        return store(gemm(store(g / (1.0 + np.exp(-g)) * u)) @ gemm(p["down"]))
     same = lambda a: a  # noqa: E731
     ref = swiglu(h, same, same, same)
     floor = swiglu(storage(h, cd), lambda a: storage(a, cd), lambda a: storage(a, F32),
-                   ctx.product)
+                   ctx.gemm_operand)
     return Local(ctx.tap(f"layer{layer}/mlp_out"), ref, floor)
 
 
@@ -154,6 +167,61 @@ SUBOPS = (
 )
 
 
+# ---------------------------------------------------------------- FP8 GEMMs (fp8-mixed)
+def _operand(ctx: Context, x) -> np.ndarray:
+    """A block GEMM's operand in its floor, float64: e4m3 at its ideal scale under an FP8
+    policy (`Context.gemm_operand`), else what `Policy.einsum` multiplies: the value in the
+    compute dtype (a float32 weight is cast there), then the backend's product rounding. The
+    second is the compute-dtype floor the not-FP8 check compares against
+    (`precision_fp8.gemm_checks`), so it rounds the weight as a GEMM that ran in bf16 does."""
+    if getattr(ctx.policy, "fp8", False):
+        return ctx.gemm_operand(x)
+    return ctx.product(storage(x, ctx.compute_dtype))
+
+
+def gemm_local(ctx: Context, layer: int, *, inp: str, group: str, weight: str, out: str,
+               out_dtype=None) -> Local:
+    """One projection `x W` on the run's input tap `inp` (as the policy formed it) against its
+    output tap `out`; floor: `_operand`s, product stored in `out_dtype` (default the compute
+    dtype; the SwiGLU gate and up products are returned in float32)."""
+    x = ctx.tap(f"layer{layer}/{inp}")
+    w = _layer(ctx, group, layer)[weight]
+    floor = _operand(ctx, x) @ _operand(ctx, w)
+    return Local(ctx.tap(f"layer{layer}/{out}"), x @ w,
+                 storage(floor, ctx.compute_dtype if out_dtype is None else out_dtype))
+
+
+FP8_FIX = ("this FP8 GEMM loses more than e4m3 rounding at a working scale: its delayed scale "
+           "is stale or lost (values clipped at 448 x scale or flushed below 2^-9 x scale); "
+           "read its scale / amax trajectory (the report's fp8 section), calibrate longer "
+           "(--fp8-calibration-steps) or keep this GEMM in bf16")
+# (site, sub-op, input tap, parameter group, weight, output tap, output dtype, meaning)
+_GEMM_SITES = (
+    ("attn/q", "attn_q", "attn_in", "attn", "q", "attn/q", None, "query projection h W_q"),
+    ("attn/k", "attn_k", "attn_in", "attn", "k", "attn/k", None, "key projection h W_k"),
+    ("attn/v", "attn_v", "attn_in", "attn", "v", "attn/v", None, "value projection h W_v"),
+    ("attn/o", "attn_o", "attn/heads", "attn", "o", "attn_out", None,
+     "output projection (attention heads) W_o"),
+    ("mlp/gate", "mlp_gate", "mlp_in", "mlp", "gate", "mlp/gate", F32,
+     "SwiGLU gate h W_gate, float32 product"),
+    ("mlp/up", "mlp_up", "mlp_in", "mlp", "up", "mlp/up", F32,
+     "SwiGLU up h W_up, float32 product"),
+    ("mlp/down", "mlp_down", "mlp/hidden", "mlp", "down", "mlp_out", None,
+     "SwiGLU down (silu(g) u) W_down"),
+)
+FP8_GEMM_SUBOPS = {
+    name: SubOp(name, "layer", out, functools.partial(gemm_local, inp=inp, group=group,
+                                                       weight=weight, out=out,
+                                                       out_dtype=out_dtype),
+                f"{meaning} (FP8)", FP8_FIX)
+    for _, name, inp, group, weight, out, out_dtype, meaning in _GEMM_SITES}
+FP8_GEMMS = tuple((site, name) for site, name, *_ in _GEMM_SITES)
+_BY_NAME = {op.name: op for op in SUBOPS} | FP8_GEMM_SUBOPS
+FP8_SUBOPS = tuple(_BY_NAME[n] for n in (
+    "rope", "attn_q", "attn_k", "attn_v", "attn_o", "attention", "rmsnorm", "mlp_gate",
+    "mlp_up", "mlp_down", "mlp", "logits", "loss"))
+
+
 def grad_group(path: tuple[str, ...]) -> str:
     """Parameter group of a gradient leaf (per layer under `blocks`)."""
     if path[0] != "blocks":
@@ -172,4 +240,5 @@ def warm_std(path: tuple[str, ...], x) -> float | None:
     return projection_or_vector_std(path, x, PROJECTIONS)
 
 
-FAMILY = Family("llama", SUBOPS, grad_group, warm_std)
+FAMILY = Family("llama", SUBOPS, grad_group, warm_std, FP8_SUBOPS, FP8_GEMMS,
+                ("attention", "mlp"))

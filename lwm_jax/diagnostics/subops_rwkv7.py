@@ -349,4 +349,5 @@ def warm_std(path: tuple[str, ...], x) -> float | None:
     return projection_or_vector_std(path, x, PROJECTIONS)
 
 
-FAMILY = Family("rwkv7", SUBOPS, grad_group, warm_std, FP8_SUBOPS, FP8_GEMMS)
+FAMILY = Family("rwkv7", SUBOPS, grad_group, warm_std, FP8_SUBOPS, FP8_GEMMS,
+                fp8_spans=("ffn",))

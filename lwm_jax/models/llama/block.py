@@ -29,6 +29,7 @@ from lwm_jax.layers.attention import KVCache, cached_attention, self_attention
 from lwm_jax.layers.rms_norm import RMSNorm, rms_norm
 from lwm_jax.layers.rope import apply_rope
 from lwm_jax.precision.fp8 import Fp8Meta, init_meta
+from lwm_jax.probe import scoped
 
 INIT_STD = 0.02
 
@@ -94,14 +95,21 @@ class Block(nnx.Module):
 
 @jax.named_scope("attention")
 def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cfg, policy,
-                      segment_ids_BT=None, platform: str | None = None, mesh=None):
+                      segment_ids_BT=None, platform: str | None = None, mesh=None, probe=None):
     """One layer's attention on normalised input `x_BTC` -> `([B, T, C], new cache or None)`.
-    `platform` / `mesh`: what the program is compiled for (`layers.attention.self_attention`)."""
+    `platform` / `mesh`: what the program is compiled for (`layers.attention.self_attention`).
+    `probe`: optional tap of each projection's input as it formed it: `q`, `k`, `v` (the
+    projections' outputs, `[B, T, heads * D]` before RoPE) and `heads` (the attention output,
+    `[B, T, H * D]`, the output projection's input)."""
     B, T, _ = x_BTC.shape
     H, K, D = cfg.n_head, cfg.n_kv_head, cfg.head_dim
-    q = policy.einsum("btc,cf->btf", x_BTC, p["q"], fp8_meta=p.get("fp8_q")).reshape(B, T, H, D)
-    k = policy.einsum("btc,cf->btf", x_BTC, p["k"], fp8_meta=p.get("fp8_k")).reshape(B, T, K, D)
-    v = policy.einsum("btc,cf->btf", x_BTC, p["v"], fp8_meta=p.get("fp8_v")).reshape(B, T, K, D)
+    tap = probe or (lambda name, x: None)
+    q = policy.einsum("btc,cf->btf", x_BTC, p["q"], fp8_meta=p.get("fp8_q"))
+    k = policy.einsum("btc,cf->btf", x_BTC, p["k"], fp8_meta=p.get("fp8_k"))
+    v = policy.einsum("btc,cf->btf", x_BTC, p["v"], fp8_meta=p.get("fp8_v"))
+    for name, value in (("q", q), ("k", k), ("v", v)):
+        tap(name, value)
+    q, k, v = q.reshape(B, T, H, D), k.reshape(B, T, K, D), v.reshape(B, T, K, D)
     q, k = apply_rope(q, cos_BTK, sin_BTK), apply_rope(k, cos_BTK, sin_BTK)
     prec = policy.matmul_precision
     if cache is None:
@@ -109,18 +117,24 @@ def attention_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *
                              platform=platform, mesh=mesh)
     else:
         out, cache = cached_attention(q, k, v, cache, precision=prec)
-    return policy.einsum("btf,fc->btc", out.reshape(B, T, H * D), p["o"],
-                         fp8_meta=p.get("fp8_o")), cache
+    heads = out.reshape(B, T, H * D)
+    tap("heads", heads)
+    return policy.einsum("btf,fc->btc", heads, p["o"], fp8_meta=p.get("fp8_o")), cache
 
 
 @jax.named_scope("mlp")
-def mlp_forward(p: dict, x_BTC, *, policy):
-    """SwiGLU `down(silu(gate x) * up x)`; the gate product in float32, cast once."""
+def mlp_forward(p: dict, x_BTC, *, policy, probe=None):
+    """SwiGLU `down(silu(gate x) * up x)`; the gate product in float32, cast once.
+    `probe`: optional tap of `gate`, `up` (float32 products) and `hidden` (the down
+    projection's input, compute dtype)."""
     g = policy.einsum("btc,cf->btf", x_BTC, p["gate"], out_dtype=jnp.float32,
                       fp8_meta=p.get("fp8_gate"))
     u = policy.einsum("btc,cf->btf", x_BTC, p["up"], out_dtype=jnp.float32,
                       fp8_meta=p.get("fp8_up"))
     hidden = (jax.nn.silu(g) * u).astype(policy.compute_dtype)
+    if probe is not None:
+        for name, value in (("gate", g), ("up", u), ("hidden", hidden)):
+            probe(name, value)
     return policy.einsum("btf,fc->btc", hidden, p["down"], fp8_meta=p.get("fp8_down"))
 
 
@@ -135,20 +149,27 @@ def block_forward(p: dict, x_BTC, cos_BTK, sin_BTK, cache: KVCache | None, *, cf
       cache: this layer's `KVCache` (decoding) or None (whole-sequence attention).
       cfg: the resolved `LlamaConfig`. policy: `Policy`.
       segment_ids_BT: packed-document ids (whole-sequence attention only).
-      probe: optional `probe(name, x)` tap: `attn_out`, `x_att`, `mlp_out`, `x_out`.
+      probe: optional `probe(name, x)` tap, in execution order: `attn_in` (the normed input of
+        q/k/v), `attn/q`, `attn/k`, `attn/v`, `attn/heads` (`attention_forward`), `mlp_in`
+        (the normed input of gate/up), `mlp/gate`, `mlp/up`, `mlp/hidden` (`mlp_forward`),
+        then `attn_out`, `x_att`, `mlp_out`, `x_out`: every FP8 GEMM's input and output as the
+        policy formed them (the precision report's sites). Taps only observe.
       platform, mesh: the platform and device mesh the program is compiled for (the model's;
         they pick the attention kernel and how it is split over devices).
     Returns:
       `(x_BTC, new cache or None)`.
     """
     cd = policy.compute_dtype
+    tap = probe or (lambda name, x: None)
     h = rms_norm(x_BTC, p["attn_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
+    tap("attn_in", h)
     att, cache = attention_forward(p["attn"], h, cos_BTK, sin_BTK, cache, cfg=cfg,
                                    policy=policy, segment_ids_BT=segment_ids_BT,
-                                   platform=platform, mesh=mesh)
+                                   platform=platform, mesh=mesh, probe=scoped(probe, "attn"))
     x_BTC = x_BTC + att
     h = rms_norm(x_BTC, p["mlp_norm"]["weight"], eps=cfg.rms_eps, out_dtype=cd)
-    mlp = mlp_forward(p["mlp"], h, policy=policy)
+    tap("mlp_in", h)
+    mlp = mlp_forward(p["mlp"], h, policy=policy, probe=scoped(probe, "mlp"))
     x_BTC_out = x_BTC + mlp
     if probe is not None:
         for name, value in (("attn_out", att), ("x_att", x_BTC), ("mlp_out", mlp),
