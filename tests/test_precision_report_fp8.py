@@ -120,6 +120,19 @@ def test_trajectories_follow_delayed_scaling(request, which):
             assert np.all(got >= seen / np.asarray(FORMAT_MAX))
 
 
+def _assert_only_site_flagged(planted, site, n_layer):
+    """Exactly `site` is flagged not-FP8, in every layer, for an unread meta at the bf16
+    floor; its GEMM rows sit at the compute-dtype floor, far below e4m3's, the others are FP8."""
+    flagged = [n for n in planted.fp8.not_fp8 if n.layer is not None]
+    assert [(n.site, n.layer) for n in flagged] == [(site, l) for l in range(n_layer)]
+    for n in flagged:
+        assert "meta came back all zeros" in n.why and "bfloat16 floor" in n.why, n
+    for g in planted.fp8.gemms:
+        assert g.fp8 == (g.site != site), g
+        if g.site == site:
+            assert g.local_rel < 2 * g.compute_floor_rel and g.local_rel < g.fp8_floor_rel / 4
+
+
 @pytest.mark.parametrize("meta,op", [("fp8_key", "att_k"), ("fp8_value", "att_v")])
 def test_a_gemm_meant_to_be_fp8_that_is_not_is_flagged(monkeypatch, rwkv, meta, op):
     """Both signals name the site in every layer: its meta came back unused, and its error
@@ -132,14 +145,7 @@ def test_a_gemm_meant_to_be_fp8_that_is_not_is_flagged(monkeypatch, rwkv, meta, 
     monkeypatch.setattr(block_module, "time_mix_forward", without_meta)
     planted = precision_report(rwkv, TOKENS, "fp8-mixed", shadow=None, fp8_calibration_steps=1)
     site = f"att/{meta[4:]}"
-    flagged = [n for n in planted.fp8.not_fp8 if n.layer is not None]
-    assert [(n.site, n.layer) for n in flagged] == [(site, l) for l in range(CFG.n_layer)]
-    for n in flagged:
-        assert "meta came back all zeros" in n.why and "bfloat16 floor" in n.why, n
-    for g in planted.fp8.gemms:
-        assert g.fp8 == (g.site != site), g
-        if g.site == site:
-            assert g.local_rel < 2 * g.compute_floor_rel and g.local_rel < g.fp8_floor_rel / 4
+    _assert_only_site_flagged(planted, site, CFG.n_layer)
     assert planted.fp8.float8_dots == 5 * CFG.n_layer
     assert planted.worst.kind == "not_fp8" and (planted.worst.subop, planted.worst.layer) == (
         op, 0)
@@ -276,14 +282,7 @@ def test_a_llama_gemm_that_is_not_fp8_is_flagged(monkeypatch, llama, forward, me
     planted = precision_report(llama, LLAMA_TOKENS, "fp8-mixed", shadow=None,
                                fp8_calibration_steps=1)
     site = dict((o, s) for s, o in zip(LLAMA_SITES, LLAMA_OPS))[op]
-    flagged = [n for n in planted.fp8.not_fp8 if n.layer is not None]
-    assert [(n.site, n.layer) for n in flagged] == [(site, 0), (site, 1)]
-    for n in flagged:
-        assert "meta came back all zeros" in n.why and "bfloat16 floor" in n.why, n
-    for g in planted.fp8.gemms:
-        assert g.fp8 == (g.site != site), g
-        if g.site == site:
-            assert g.local_rel < 2 * g.compute_floor_rel and g.local_rel < g.fp8_floor_rel / 4
+    _assert_only_site_flagged(planted, site, 2)
     assert planted.fp8.float8_dots == 6 * 2
     assert (planted.worst.kind, planted.worst.subop, planted.worst.layer) == ("not_fp8", op, 0)
     assert f"{site} layer 0 did not run as an FP8 GEMM" in planted.worst.suggestion
