@@ -54,10 +54,10 @@ class Runtime:
         "pallas" on one GPU under a bf16 compute dtype when tokens and channels tile and the
         model is at least `ops.layer_norm.AUTO_MIN_CHANNELS` wide, else "xla" (where the
         kernels measured faster: benchmarks/RESULTS.md).
-      On a device mesh "auto" keeps XLA's forms (the per-device kernels are not yet measured
-      in a multi-GPU step); "pallas" runs the three kernels per device when the mesh splits
-      only the batch and the sequence (`lwm_jax.ops.kernel_choice.on_each_device`) and is
-      refused on a tensor axis.
+      On a device mesh that splits only the batch and the sequence "auto" and "pallas" run the
+      three kernels per device (`lwm_jax.ops.kernel_choice.on_each_device`; "auto" by the
+      one-GPU rule above, on each device's share); with a tensor axis "auto" keeps XLA's
+      forms and "pallas" is refused.
     """
 
     wkv_impl: str = "auto"

@@ -11,9 +11,10 @@ B over `data` and `fsdp`, T over `sequence`), the parameters whole on every devi
 then holds whole tokens, and these ops are per token, so the result is the one-device result;
 the parameters' gradients are summed over the devices by `shard_map`'s transpose. A mesh that
 splits anything else (`tensor`) or splits B or T unevenly cannot (`per_device_tokens` is None).
-On a mesh the kernels run when asked for ("pallas" / "interpret"); "auto" keeps XLA's forms
-there until the per-device kernels are measured faster in a multi-GPU step
-(`tools/device_scaleout.sh kernels` is that A/B). Imports only the package's leaves.
+"auto" runs them per device on such a mesh as on one GPU: in a data-parallel step on two
+GPUs the per-device kernels measured faster than XLA's forms at both model sizes
+(`tools/device_scaleout.sh kernels` is that A/B; figures in benchmarks/RESULTS.md). Imports
+only the package's leaves.
 """
 from __future__ import annotations
 
@@ -46,17 +47,16 @@ def per_device_tokens(mesh, shape: tuple[int, ...]) -> int | None:
 
 
 def kernel_chosen(field: str, impl: str, *, per_device: bool, platform: str | None, fits: bool,
-                  kernel: str, needs: str, pays: bool = True, sharded: bool = False) -> bool:
-    """Whether the kernel runs for `impl` (one of `IMPLS`). "xla": never; "auto": on one GPU
-    (`sharded` False) when it `fits` and `pays` (where it measured faster than XLA's form);
-    "pallas" /
+                  kernel: str, needs: str, pays: bool = True) -> bool:
+    """Whether the kernel runs for `impl` (one of `IMPLS`). "xla": never; "auto": on GPUs,
+    on one device or per device (`per_device`), when it `fits` and `pays` (where it measured
+    faster than XLA's form); "pallas" /
     "interpret": always, and a one-line ValueError naming `runtime.<field>` when the devices do
     not each hold whole tokens (`per_device` False: a mesh with a `tensor` axis or an uneven
     split) or when it does not fit (`needs`: what it takes).
 
     `per_device`: one device, or a mesh that splits tokens only (`per_device_tokens` not None);
-    `fits` is then judged on each device's share. `sharded`: the program runs on a mesh of
-    more than one device. `platform`: "cpu" | "gpu" | "tpu", the
+    `fits` is then judged on each device's share. `platform`: "cpu" | "gpu" | "tpu", the
     platform the program is compiled for (None: JAX's default devices', read only for
     "auto"). `kernel` names the kernel in the errors; an `impl` outside `IMPLS` is a one-line
     ValueError."""
@@ -65,8 +65,7 @@ def kernel_chosen(field: str, impl: str, *, per_device: bool, platform: str | No
     if impl == "xla":
         return False
     if impl == "auto":
-        return (fits and pays and per_device and not sharded
-                and (platform or platform_of()) == "gpu")
+        return fits and pays and per_device and (platform or platform_of()) == "gpu"
     if not per_device:
         raise ValueError(f"runtime.{field}={impl!r}: {kernel} runs per device only on a mesh "
                          "that splits the batch and sequence evenly (data, fsdp, sequence); "
@@ -75,11 +74,6 @@ def kernel_chosen(field: str, impl: str, *, per_device: bool, platform: str | No
         raise ValueError(f"runtime.{field}={impl!r}: {kernel} needs {needs}; "
                          f"set runtime.{field}=xla")
     return True
-
-
-def sharded(mesh) -> bool:
-    """Whether `mesh` (or None) has more than one device."""
-    return mesh is not None and mesh.size > 1
 
 
 def on_each_device(fn, mesh, x, *params):

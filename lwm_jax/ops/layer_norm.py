@@ -49,8 +49,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import (kernel_chosen, on_each_device, per_device_tokens,
-                                        sharded)
+from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
 
 _F32 = jnp.float32
 LN_EPS = 1e-5     # RWKV-7's LayerNorm epsilon
@@ -72,9 +71,9 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      mesh: the device mesh x is split over as the activations are (None: one device). There
-        "auto" keeps XLA's form; "pallas" runs the kernels per device when the mesh splits
-        tokens only and is an error otherwise.
+      mesh: the device mesh x is split over as the activations are (None: one device). "auto"
+        and "pallas" run the kernels per device when the mesh splits tokens only ("auto"
+        then keeps XLA's form on a mesh that does not; "pallas" is an error there).
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
@@ -83,7 +82,6 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
     M = per_device_tokens(mesh, x.shape)
     if kernel_chosen(
             "norm_impl", impl, per_device=M is not None, platform=platform,
-            sharded=sharded(mesh),
             fits=out_dtype == jnp.bfloat16 and M is not None and kernel_applies(M, C),
             pays=C >= AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
             needs=f"a bf16 compute dtype and tokens x channels {M} x {C} in multiples of the "

@@ -54,8 +54,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import (kernel_chosen, on_each_device, per_device_tokens,
-                                        sharded)
+from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 BM, BN, BK = 128, 256, 64    # output tile rows / columns, K step
@@ -75,9 +74,10 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
       impl: "xla" (default), "pallas", "interpret" or "auto" (see the module docstring).
       platform: "cpu" | "gpu" | "tpu", the platform the program is compiled for (None: JAX's
         default devices'; read by "auto" only).
-      mesh: the device mesh x is split over as the activations are (None: one device). There
-        "auto" keeps XLA's form; "pallas" runs the kernels per device, the weights whole on
-        each, when the mesh splits tokens only and is an error otherwise.
+      mesh: the device mesh x is split over as the activations are (None: one device). "auto"
+        and "pallas" run the kernels per device, the weights whole on each, when the mesh
+        splits tokens only ("auto" then keeps XLA's form on a mesh that does not; "pallas" is
+        an error there).
       probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
       fp8_metas: `(key meta, value meta)` under an FP8 policy (`lwm_jax.precision.fp8`): both
@@ -92,7 +92,6 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
     M = per_device_tokens(mesh, x_BTC.shape)
     if kernel_chosen(
             "ffn_impl", impl, per_device=M is not None, platform=platform,
-            sharded=sharded(mesh),
             fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None and M is not None
                   and fp8_metas is None and kernel_applies(M, C, F)),
             kernel="the Pallas ChannelMix GEMMs",

@@ -14,19 +14,18 @@ def test_runtime_knobs_take_the_ops_values():
     assert WKV_IMPLS == WKV7_IMPLS
 
 
-def _chosen(impl, *, per_device=True, platform="gpu", fits=True, pays=True, sharded=False):
+def _chosen(impl, *, per_device=True, platform="gpu", fits=True, pays=True):
     return kernel_chosen("norm_impl", impl, per_device=per_device, platform=platform, fits=fits,
-                         kernel="the kernel", needs="a fit", pays=pays, sharded=sharded)
+                         kernel="the kernel", needs="a fit", pays=pays)
 
 
 def test_the_rule():
     assert not _chosen("xla") and not _chosen("xla", fits=False, per_device=False)
     assert _chosen("auto") and _chosen("pallas") and _chosen("interpret", platform="cpu")
     for off in ({"platform": "cpu"}, {"platform": "tpu"}, {"per_device": False},
-                {"fits": False}, {"pays": False}, {"sharded": True}):
+                {"fits": False}, {"pays": False}):
         assert not _chosen("auto", **off), off
     assert _chosen("pallas", pays=False)                 # "pays" only steers "auto"
-    assert _chosen("pallas", sharded=True)               # per device on a token-split mesh
     with pytest.raises(ValueError, match="norm_impl='pallas': the kernel runs per device only"):
         _chosen("pallas", per_device=False)
     with pytest.raises(ValueError, match="needs a fit; set runtime.norm_impl=xla"):

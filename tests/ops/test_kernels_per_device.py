@@ -2,7 +2,9 @@
 GroupNorm and the squared-ReLU MLP run per device inside `shard_map` (the Pallas interpreter on
 8 CPU devices, or the compiled kernels on 2+ GPUs, in a subprocess) and give the one-device
 kernels' values and gradients, the parameters' gradients summed over every device's tokens;
-"auto" keeps XLA's forms on any mesh (not yet measured faster there) and so does a tensor axis."""
+"auto" (for a GPU) runs them per device where it would pick them on one GPU (here GroupNorm and
+the MLP; the LayerNorm only from `AUTO_MIN_CHANNELS` on) and keeps XLA's forms on a tensor
+axis."""
 from __future__ import annotations
 
 import json
@@ -48,7 +50,8 @@ DRIVER = textwrap.dedent("""
         def loss(x, p, q):
             return jnp.sum(f(x, p, q).astype(jnp.float32) * dy.astype(jnp.float32))
         val, grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)))(x, *params[op])
-        return float(val), [np.asarray(g, np.float64) for g in grads]
+        y = np.asarray(jax.jit(f)(x, *params[op]).astype(jnp.float32), np.float64)
+        return float(val), [np.asarray(g, np.float64) for g in grads], y
 
     def rel(a, b):
         return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -69,12 +72,13 @@ DRIVER = textwrap.dedent("""
             # per device: the interpreted kernels against themselves on one device; on a
             # tensor axis "auto" keeps XLA's form: against XLA's form on one device
             impl, ref_impl = ("auto", "xla") if "tensor" in name else (kernel, kernel)
-            ref_val, ref_grads = run(op, ref_impl, None)
-            val, grads = run(op, impl, mesh)
-            lowered = lambda i: jax.jit(ops[op](i, mesh)).lower(x, *params[op]).as_text()  # noqa
-            text, auto_text = lowered(impl), lowered("auto")
-            per_device = lambda t: "manual_computation" in t or "shard_map" in t  # noqa: E731
-            out[f"{op}/{name}"] = {"val": abs(val - ref_val) / abs(ref_val),
+            ref_val, ref_grads, ref_y = run(op, ref_impl, None)
+            val, grads, y = run(op, impl, mesh)
+            # traced, not lowered: "auto" picks the compiled kernels, which a CPU cannot lower
+            traced = lambda i: str(jax.make_jaxpr(ops[op](i, mesh))(x, *params[op]))  # noqa
+            text, auto_text = traced(impl), traced("auto")
+            per_device = lambda t: "shard_map" in t  # noqa: E731
+            out[f"{op}/{name}"] = {"val": abs(val - ref_val) / abs(ref_val), "out": rel(y, ref_y),
                                    "grads": [rel(g, r) for g, r in zip(grads, ref_grads)],
                                    "per_device": per_device(text),
                                    "auto_per_device": per_device(auto_text)}
@@ -82,7 +86,7 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _run(env):
+def _run(env, compiled=False):
     run = subprocess.run([sys.executable, "-c", DRIVER], capture_output=True, text=True,
                          env=env, timeout=900)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -91,11 +95,19 @@ def _run(env):
     for case, r in out.items():
         per_device_expected = "tensor" not in case
         assert r["per_device"] == per_device_expected, (case, r)
-        assert not r["auto_per_device"], (case, r)     # "auto" keeps XLA's forms on a mesh
-        # the same per-token work on each device's tokens: only the summation order of the
-        # loss and of the parameters' float32 gradients (partials summed over devices) moves
-        assert r["val"] < 1e-5, (case, r)
-        assert max(r["grads"]) < 1e-5, (case, r)
+        # "auto" as on one GPU, per device: not the LayerNorm at 128 channels (it pays from
+        # AUTO_MIN_CHANNELS on), never on a tensor axis
+        auto_expected = per_device_expected and not case.startswith("layer_norm/")
+        assert r["auto_per_device"] == auto_expected, (case, r)
+        # the same per-token work on each device's tokens: the outputs match, and only the
+        # summation order of the parameters' float32 gradients (partials summed over devices)
+        # moves
+        assert r["out"] < 1e-5 and max(r["grads"]) < 1e-5, (case, r)
+        if not compiled:
+            # The loss too. Not compiled on GPUs: XLA sums it (random-sign terms that cancel)
+            # over two devices in another order; on two H200s it moved 1.8e-4 (GroupNorm) and
+            # 9.6e-3 (MLP) with outputs equal or within 8e-9
+            assert r["val"] < 1e-5, (case, r)
 
 
 @pytest.mark.slow
@@ -109,4 +121,4 @@ def test_compiled_kernels_run_per_device_on_gpus():
     import jax
     if len(jax.devices("gpu")) < 2:
         pytest.skip("needs two GPUs")
-    _run(dict(os.environ, KERNEL_IMPL="pallas"))
+    _run(dict(os.environ, KERNEL_IMPL="pallas"), compiled=True)
