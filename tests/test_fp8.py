@@ -60,12 +60,19 @@ def test_forward_and_gradients_round_like_fp8(impl):
 def test_the_two_xla_forms_agree():
     """Dots of float8 operands scaled after (`xla`) and dots of dequantized operands
     (`xla-dq`) are the same products: power-of-two scales make both scalings exact, so the
-    results differ at most by float32 summation order."""
+    results differ at most by float32 summation order. On a GPU the float8 dots run on the FP8
+    tensor cores, whose accumulation keeps fewer bits than a float32 dot (an H200 measured
+    differences of ~1e-4 relative in most elements): there the two agree in norm to 2^-9, while
+    a wrong scale would be off by a factor of two."""
     x, w, g = _draw(23, (2, 16, 128)), _draw(24, (128, 64), 0.1), _draw(25, (2, 16, 64), 1e-2)
     meta = _run(x, w, fp8.init_meta(4), g)[3]
     a, b = _run(x, w, meta, g, "xla"), _run(x, w, meta, g, "xla-dq")
     for u, v in zip(a, b):
-        np.testing.assert_allclose(np.asarray(u), np.asarray(v), rtol=1e-6, atol=0)
+        u, v = np.asarray(u, np.float64), np.asarray(v, np.float64)
+        if jax.default_backend() == "gpu":
+            assert np.linalg.norm(u - v) <= 2.0**-9 * np.linalg.norm(v)
+        else:
+            np.testing.assert_allclose(u, v, rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match="impl must be"):
         fp8.fp8_einsum("btc,cd->btd", x, w, meta, impl="int8")
 

@@ -12,7 +12,7 @@
 #                                         # `python benchmarks/train_parity.py data --out .peer/parity`)
 #   bash tools/device_fp8.sh profile [..] # the 0.1B step, bf16-mixed then fp8-mixed, top GPU ops of each
 #                                         # (where FP8's extra time goes; extra args: train_step.py's)
-#   bash tools/device_fp8.sh tests        # the FP8 test files on the GPU
+#   bash tools/device_fp8.sh tests        # the FP8 test files on the GPU (deterministic reductions)
 set -uo pipefail
 OUT=${OUT:-/tmp/lwm-out}
 mkdir -p "$OUT"
@@ -44,8 +44,8 @@ case "$mode" in
       python3 benchmarks/train_step.py --models 0.1b --precisions "$p" --steps 5 --warmup 2 \
         --profile "/tmp/prof_$p" --out "$OUT/fp8_profile.jsonl" "$@" 2>&1 | tail -40
     done ;;
-  tests)
-    python3 -m pytest -q -n 4 tests/test_fp8.py tests/train/test_fp8_training.py \
+  tests)   # deterministic GPU reductions: the resume tests compare bits with an uninterrupted run
+    XLA_FLAGS=--xla_gpu_deterministic_ops=true python3 -m pytest -q -n 4 tests/test_fp8.py tests/train/test_fp8_training.py \
       tests/aot/test_compile_fp8.py tests/test_precision.py \
       tests/train/test_checkpoint_resume.py 2>&1 | tail -15 ;;
   *) echo "usage: $0 gemm|step|parity|profile|tests [args]" >&2; exit 2 ;;
