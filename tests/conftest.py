@@ -28,26 +28,6 @@ skip_absent_tpu()
 
 ON_GPU = jax.default_backend() == "gpu"
 
-
-@pytest.fixture(scope="session", autouse=True)
-def compile_cache(tmp_path_factory):
-    """JAX's persistent compilation cache for the whole run, in one directory that both
-    pytest-xdist workers (and every subprocess, through `JAX_COMPILATION_CACHE_DIR`) share:
-    many tests compile the same programs (the tiny config's train and eval steps, the same
-    kernels), and each program then compiles once per run instead of once per test. Programs
-    that compile in under `MIN_CACHED_COMPILE_S` are not written (storing thousands of tiny
-    ones costs more than it saves). Returns the directory."""
-    from lwm_jax.train.compile_cache import enable_compilation_cache
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if base.name.startswith("popen-gw") else base
-    directory = enable_compilation_cache(str(shared / "jax-compile"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
-    os.environ["JAX_COMPILATION_CACHE_DIR"] = directory
-    return directory
-
-
-MIN_CACHED_COMPILE_S = 0.5
-
 # Test files that run code on a GPU that a CPU never runs: Pallas kernels compiled by Triton,
 # cuDNN attention, TF32 / bf16 GEMMs under each precision policy, the fp32 islands and the
 # hand-written backward rules around them, the kernels' auto choice, GPU training and FLA

@@ -1,11 +1,21 @@
-"""The fixture the training tests share: a binidx data set written once per test module from the
-documents that module asks for (the compilation cache is the root conftest's `compile_cache`)."""
+"""Fixtures the training tests share: JAX's persistent compilation cache, and a binidx data set
+written once per test module from the documents that module asks for."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from lwm_jax.data import write_binidx
+from lwm_jax.train.compile_cache import enable_compilation_cache
+
+
+@pytest.fixture(scope="module")
+def compile_cache(tmp_path_factory):
+    """Turn on JAX's persistent compilation cache in the session's temporary directory and return
+    that directory: runs of one config compile the same programs, so they share them through
+    JAX's disk cache (a subprocess, through `JAX_COMPILATION_CACHE_DIR`). A module whose every
+    test should use it says `pytestmark = pytest.mark.usefixtures("compile_cache")`."""
+    return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile"))
 
 
 @pytest.fixture(scope="module")

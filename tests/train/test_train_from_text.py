@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from lwm_jax.data import write_binidx
+from lwm_jax.train.compile_cache import enable_compilation_cache
 from lwm_jax.train.config import load_config
 from lwm_jax.train.metrics import read_metrics
 from lwm_jax.train.trainer import train
@@ -22,6 +23,7 @@ RUN = ["arch=llama", "model.n_layer=1", "model.n_embd=64", "model.n_head=2",
 
 
 def test_a_text_mixture_trains_and_resumes_exactly(tmp_path):
+    enable_compilation_cache(str(tmp_path / "jax-compile"))    # the second run reuses the steps
     write_corpus(tmp_path / "corpus")
     os.rename(tmp_path / "corpus" / "z.parquet", tmp_path / "extra.parquet")
     prefix = str(tmp_path / "bin")

@@ -133,6 +133,13 @@ def test_state_and_generation_are_refused_in_one_line():
         assert "\n" not in str(err.value)
 
 
+@pytest.fixture()
+def compile_cache(tmp_path_factory):
+    """The three runs below compile the same programs: share them through JAX's disk cache."""
+    from lwm_jax.train.compile_cache import enable_compilation_cache
+    return enable_compilation_cache(str(tmp_path_factory.getbasetemp() / "jax-compile-hybrid"))
+
+
 @pytest.mark.slow
 def test_hybrid_config_trains_and_resumes(tmp_path, compile_cache):
     """`configs/rwkv7-hybrid-tiny.yaml` through the trainer: the loss falls, a split run
