@@ -56,8 +56,8 @@ class Runtime:
         kernels measured faster: benchmarks/RESULTS.md).
       On a device mesh that splits only the batch and the sequence "auto" and "pallas" run the
       three kernels per device (`lwm_jax.ops.kernel_choice.on_each_device`; "auto" by the
-      one-GPU rule above, on each device's share); with a tensor axis "auto" keeps XLA's
-      forms and "pallas" is refused.
+      one-GPU rule above, on each device's share, and not under FSDP, where it is unmeasured);
+      with a tensor axis "auto" keeps XLA's forms and "pallas" is refused.
     """
 
     wkv_impl: str = "auto"

@@ -39,7 +39,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (auto_pays_on, kernel_chosen, on_each_device,
+                                        per_device_tokens)
 
 _F32 = jnp.float32
 MAX_VALUES = 4096      # values per program and input: 64 rows x 64 channels (32 a lane, 4 warps)
@@ -60,14 +61,15 @@ def group_norm(x, weight, bias, *, n_groups: int, eps: float, out_dtype: Any = N
         default devices'; read by "auto" only).
       mesh: the device mesh x (`[B, T, C]` there) is split over as the activations are (None:
         one device). "auto" and "pallas" run the kernel per device when the mesh splits
-        tokens only ("auto" then keeps XLA's backward on a mesh that does not; "pallas" is an
-        error there).
+        tokens only ("auto" not under FSDP, `kernel_choice.auto_pays_on`; on a mesh that splits
+        more "auto" keeps XLA's backward and "pallas" is an error).
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
     M = per_device_tokens(mesh, x.shape)
     if kernel_chosen("ln_x_impl", impl, per_device=M is not None, platform=platform,
                      fits=M is not None and kernel_applies((M, x.shape[-1]), n_groups),
+                     pays=auto_pays_on(mesh),
                      kernel="the Pallas GroupNorm backward",
                      needs=f"tokens a multiple of 8 and a head size a power of two >= 16 "
                            f"(got {x.shape} in {n_groups} groups)"):

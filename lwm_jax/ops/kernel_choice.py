@@ -11,10 +11,13 @@ B over `data` and `fsdp`, T over `sequence`), the parameters whole on every devi
 then holds whole tokens, and these ops are per token, so the result is the one-device result;
 the parameters' gradients are summed over the devices by `shard_map`'s transpose. A mesh that
 splits anything else (`tensor`) or splits B or T unevenly cannot (`per_device_tokens` is None).
-"auto" runs them per device on such a mesh as on one GPU: in a data-parallel step on two
-GPUs the per-device kernels measured faster than XLA's forms at both model sizes
-(`tools/device_scaleout.sh kernels` is that A/B; figures in benchmarks/RESULTS.md). Imports
-only the package's leaves.
+"auto" runs them per device on such a mesh as on one GPU when its parameters are whole on
+every device (`auto_pays_on`: no `fsdp` split): in a data-parallel step on two GPUs the
+per-device kernels measured faster than XLA's forms at both model sizes
+(`tools/device_scaleout.sh kernels` is that A/B; figures in benchmarks/RESULTS.md). Under FSDP
+the kernels would take gathered weights and return whole-size weight gradients, which has not
+been measured, so "auto" keeps XLA's forms there ("pallas" still runs them). Imports only the
+package's leaves.
 """
 from __future__ import annotations
 
@@ -44,6 +47,13 @@ def per_device_tokens(mesh, shape: tuple[int, ...]) -> int | None:
     for d in shape[2:-1]:
         n *= d
     return n
+
+
+def auto_pays_on(mesh) -> bool:
+    """Whether "auto" may run a fused kernel per device on `mesh` (None: one device): where
+    that was measured faster than XLA's forms, one device or a mesh without an `fsdp` split
+    (module docstring)."""
+    return mesh is None or dict(mesh.shape).get("fsdp", 1) == 1
 
 
 def kernel_chosen(field: str, impl: str, *, per_device: bool, platform: str | None, fits: bool,

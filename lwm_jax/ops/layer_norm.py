@@ -49,7 +49,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (auto_pays_on, kernel_chosen, on_each_device,
+                                        per_device_tokens)
 
 _F32 = jnp.float32
 LN_EPS = 1e-5     # RWKV-7's LayerNorm epsilon
@@ -73,7 +74,8 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
         default devices'; read by "auto" only).
       mesh: the device mesh x is split over as the activations are (None: one device). "auto"
         and "pallas" run the kernels per device when the mesh splits tokens only ("auto"
-        then keeps XLA's form on a mesh that does not; "pallas" is an error there).
+        not under FSDP, `kernel_choice.auto_pays_on`; on a mesh that splits more "auto"
+        keeps XLA's form and "pallas" is an error).
     Returns:
       `[..., C]` in `out_dtype`. Gradients come back in each input's dtype.
     """
@@ -83,7 +85,7 @@ def layer_norm(x, weight, bias, *, eps: float = LN_EPS, out_dtype: Any = None,
     if kernel_chosen(
             "norm_impl", impl, per_device=M is not None, platform=platform,
             fits=out_dtype == jnp.bfloat16 and M is not None and kernel_applies(M, C),
-            pays=C >= AUTO_MIN_CHANNELS, kernel="the Pallas LayerNorm",
+            pays=C >= AUTO_MIN_CHANNELS and auto_pays_on(mesh), kernel="the Pallas LayerNorm",
             needs=f"a bf16 compute dtype and tokens x channels {M} x {C} in multiples of the "
                   "kernel's blocks (ops.layer_norm.kernel_applies)"):
         interpret = impl == "interpret"

@@ -54,7 +54,8 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.kernel_choice import kernel_chosen, on_each_device, per_device_tokens
+from lwm_jax.ops.kernel_choice import (auto_pays_on, kernel_chosen, on_each_device,
+                                        per_device_tokens)
 from lwm_jax.remat_names import MATMUL_OUTPUT_NAME
 
 BM, BN, BK = 128, 256, 64    # output tile rows / columns, K step
@@ -76,8 +77,8 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
         default devices'; read by "auto" only).
       mesh: the device mesh x is split over as the activations are (None: one device). "auto"
         and "pallas" run the kernels per device, the weights whole on each, when the mesh
-        splits tokens only ("auto" then keeps XLA's form on a mesh that does not; "pallas" is
-        an error there).
+        splits tokens only ("auto" not under FSDP, `kernel_choice.auto_pays_on`; on a mesh
+        that splits more "auto" keeps XLA's form and "pallas" is an error).
       probe: optional `probe(name, x)` tap (`lwm_jax.probe`) on XLA's form: the hidden
         layer (`hidden`, `[B, T, F]`) and the output (`out`). The kernels take none.
       fp8_metas: `(key meta, value meta)` under an FP8 policy (`lwm_jax.precision.fp8`): both
@@ -94,7 +95,7 @@ def squared_relu_mlp(x_BTC, key_CF, value_FC, *, policy, impl: str = "xla",
             "ffn_impl", impl, per_device=M is not None, platform=platform,
             fits=(jnp.dtype(cd) == jnp.bfloat16 and probe is None and M is not None
                   and fp8_metas is None and kernel_applies(M, C, F)),
-            kernel="the Pallas ChannelMix GEMMs",
+            pays=auto_pays_on(mesh), kernel="the Pallas ChannelMix GEMMs",
             needs=f"a bf16 compute dtype (not FP8 GEMMs), no probe and tokens x channels x "
                   f"hidden {B * T} x {C} x {F} in multiples of the kernel tiles "
                   "(ops.squared_relu_mlp.kernel_applies)"):

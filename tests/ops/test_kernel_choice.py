@@ -2,9 +2,11 @@
 knob values: the `Runtime` knobs name exactly the values the ops take."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 
-from lwm_jax.ops.kernel_choice import IMPLS, kernel_chosen
+from lwm_jax.ops.kernel_choice import IMPLS, auto_pays_on, kernel_chosen
 from lwm_jax.ops.wkv7 import IMPLS as WKV7_IMPLS
 from lwm_jax.runtime import KERNEL_IMPLS, WKV_IMPLS
 
@@ -32,3 +34,11 @@ def test_the_rule():
         _chosen("interpret", fits=False)
     with pytest.raises(ValueError, match="impl must be one of"):
         _chosen("cudnn")
+
+
+def test_auto_pays_on_one_device_and_meshes_without_fsdp():
+    """Measured: data parallel (the per-device kernels faster); unmeasured: FSDP."""
+    mesh = lambda **shape: SimpleNamespace(shape={"data": 1, "fsdp": 1, "tensor": 1,  # noqa
+                                                  "sequence": 1, **shape})
+    assert auto_pays_on(None) and auto_pays_on(mesh(data=2)) and auto_pays_on(mesh(sequence=4))
+    assert not auto_pays_on(mesh(fsdp=2)) and not auto_pays_on(mesh(data=2, fsdp=2))
