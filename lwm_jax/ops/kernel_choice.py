@@ -50,9 +50,11 @@ def per_device_tokens(mesh, shape: tuple[int, ...]) -> int | None:
 
 
 def auto_pays_on(mesh) -> bool:
-    """Whether "auto" may run a fused kernel per device on `mesh` (None: one device): where
-    that was measured faster than XLA's forms, one device or a mesh without an `fsdp` split
-    (module docstring)."""
+    """Whether "auto" may run a fused kernel per device on `mesh` (None: one device): one
+    device, or a mesh whose parameters are whole on every device (no `fsdp` split). Timed on
+    one GPU and on a data-parallel mesh (faster there); a `sequence` split gives each device
+    the same per-token work with whole parameters, so it follows the data split (untimed);
+    FSDP is unmeasured (module docstring)."""
     return mesh is None or dict(mesh.shape).get("fsdp", 1) == 1
 
 

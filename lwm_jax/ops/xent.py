@@ -84,8 +84,7 @@ def kernel_runs(impl: str, V: int, *, platform: str | None, one_device: bool) ->
     it). An `impl` outside `kernel_choice.IMPLS` is a one-line ValueError."""
     if impl in ("pallas", "interpret"):
         return True
-    return kernel_chosen("xent_impl", impl, per_device=one_device,
-                         platform=platform,
+    return kernel_chosen("xent_impl", impl, per_device=one_device, platform=platform,
                          fits=vocab_block(V) is not None,
                          kernel="the Pallas cross-entropy (fused_lm_loss's xent_impl)",
                          needs=f"a vocabulary that is a multiple of {MIN_BLOCK}")
