@@ -35,12 +35,90 @@ double-buffers M/Q/D/O0 through shared memory. The custom_vjp wiring in `gpu.py`
 """
 from __future__ import annotations
 
+import functools
+
+import jax
+import jax.numpy as jnp
+
 from lwm_jax.hardware import platform_of
-from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, wkv7_gpu
-from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning
+from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, Chains, wkv7_gpu
+from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
 
 __all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu", "Tuning",
-           "PRECISIONS"]
+           "PRECISIONS", "mosaic_chains"]
+
+# Where the gradient is taken both Mosaic chains run (fwd+bwd 4-11% faster than the Triton
+# launches at the four anchor shapes, 32-512 heads: their forward writes the chunk states the
+# backward needs). Forward-only calls run the Mosaic forward chain from this many heads
+# (B * H) on and only where the Triton forward writes its outputs in a launch of their own
+# (`Tuning.split_out`): there the chain alone took 0.16-0.42 ms against Triton's states-only
+# 0.19-0.51 ms at 64-512 heads, but 1.30 against 1.20 ms at 32 heads (Triton splits the value
+# columns over four times as many programs), and where Triton's chain writes the outputs itself
+# (many heads) the chain plus the output launch was slower (2.65 vs 2.39 ms at 512 heads).
+# H200, 2026-11-28 (`benchmarks/wkv7_state_pass.py`, `benchmarks/wkv7.py speed`).
+MOSAIC_PRIMAL_MIN_HEADS = 64
+
+
+@functools.cache
+def _load_mosaic_chains():
+    """`(forward_states, backward_states)` of `mosaic_gpu/state_pass.py`, or None where the
+    package does not import (jax < 0.11 or no Mosaic GPU in this jax build)."""
+    try:
+        from lwm_jax.ops.wkv7.mosaic_gpu.state_pass import backward_states, forward_states
+    except ImportError:
+        return None
+    return forward_states, backward_states
+
+
+def _is_hopper() -> bool:
+    device = jax.devices()[0]
+    return device.platform == "gpu" and getattr(device, "compute_capability", None) == "9.0"
+
+
+def mosaic_chains(r, v, chunk_size, output_dtype, precision, tuning, interpret) -> Chains | None:
+    """The Mosaic GPU chunk chains for this call, or None for the Triton launches.
+
+    `tuning.chains` "triton" keeps the Triton launches, "mosaic" asks for the Mosaic chains (a
+    one-line error where they cannot run), None picks them wherever they apply: a Hopper GPU
+    (wgmma, TMA), jax with Mosaic GPU, K = 64 and V a multiple of 64, 32-token chunks (after
+    the lowering for short T), TF32 precision ("default" / "high") and a bfloat16 output (the
+    backward chain takes the output cotangent as a bf16 operand). With the gradient both
+    chains run; forward-only calls as `MOSAIC_PRIMAL_MIN_HEADS` says (`Chains.primal`).
+    """
+    want = (tuning.chains if tuning is not None else None)
+    if want not in (None, "triton", "mosaic"):
+        raise ValueError(f"Tuning.chains must be None, 'triton' or 'mosaic', got {want!r}")
+    if want == "triton" or r.ndim != 4 or not isinstance(chunk_size, int):
+        return None  # (malformed inputs get wkv7_gpu's one-line errors)
+    B, T, H, K = r.shape
+    C = min(chunk_size, max(16, 1 << (T - 1).bit_length()))
+    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
+    if precision is None:
+        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
+    why = None
+    if interpret:
+        why = "do not run in the Pallas interpreter (CPU)"
+    elif _load_mosaic_chains() is None:
+        why = f"jax {jax.__version__} has no Pallas Mosaic GPU (needs jax >= 0.11)"
+    elif not _is_hopper():
+        why = "needs an sm_90 (Hopper) GPU"
+    elif K != 64 or v.shape[-1] % 64:
+        why = f"needs K = 64 and V a multiple of 64, got K={K}, V={v.shape[-1]}"
+    elif C != 32:
+        why = f"needs 32-token chunks, got {C}"
+    elif precision not in ("default", "high"):
+        why = f"needs TF32 precision ('default' / 'high'), got {precision!r}"
+    elif out_dtype != jnp.bfloat16:
+        why = f"needs a bfloat16 output, got {out_dtype}"
+    if why is not None:
+        if want == "mosaic":
+            raise ValueError(f"Tuning.chains='mosaic': the Mosaic GPU chains {why}; use "
+                             "chains=None or 'triton'")
+        return None
+    forward, backward = _load_mosaic_chains()
+    tune = resolve(tuning, C, B * H, 64)
+    return Chains(forward, backward,
+                  primal=bool(tune.split_out) and B * H >= MOSAIC_PRIMAL_MIN_HEADS)
 
 
 def _defaults(chunk_size, interpret, platform):
@@ -72,8 +150,9 @@ def wkv7_pallas(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_si
         extra = {} if precision is None else {"precision": precision}
         return wkv7_tpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
                         **extra)
+    chains = mosaic_chains(r, v, chunk_size, output_dtype, precision, tuning, interpret)
     return wkv7_gpu(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype,
-                    precision=precision, interpret=interpret, tuning=tuning)
+                    precision=precision, interpret=interpret, tuning=tuning, chains=chains)
 
 
 def pallas_pair_applies(value_width: int, interpret: bool | None = None,

@@ -49,6 +49,9 @@ class Tuning(NamedTuple):
     split_out: bool | None = None   # outputs o = Q S + O0 in a chunk-parallel launch (out_fwd)
     bwd_form: str | None = None     # one-launch backward: "rows" (tiles) or "stacked"
                                     # (tiles_bwd_stacked); IEEE-fp32 mode always uses "rows"
+    chains: str | None = None       # the chunk chains: "triton" (seq_fwd / seq_bwd) or "mosaic"
+                                    # (mosaic_gpu/state_pass.py); None: lwm_jax.ops.wkv7.pallas
+                                    # picks by the measured rule (`mosaic_chains`)
 
 
 _BWD_FORMS = {"rows": tiles.intra_backward, "stacked": tiles_bwd_stacked.intra_backward_stacked}
@@ -93,7 +96,7 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
         warps_intra=pick(tune.warps_intra, 4 if small else 8), warps_seq=pick(tune.warps_seq, 4),
         warps_bwd=pick(tune.warps_bwd, 8 if form == "rows" else 4),
         stages_seq=pick(tune.stages_seq, 3), split_bwd=pick(tune.split_bwd, not small),
-        split_out=split_out, bwd_form=form)
+        split_out=split_out, bwd_form=form, chains=tune.chains)
 
 
 def _sm_count(default: int = 132) -> int:
@@ -143,23 +146,49 @@ def _io(in_names, in_refs, out_names, out_refs):
     return ld, st
 
 
-def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret):
+def split_bf16(x):
+    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (16 significant bits): the operand form
+    of the Mosaic GPU chunk chains (`mosaic_gpu/state_pass.py`)."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
+
+
+def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret,
+              split_mq=False):
+    """Chunk maps `(M, D, Q, O0[, inv])`, float32. With `split_mq` M and Q are each written as
+    a bfloat16 pair (`split_bf16`, same bytes as float32): `(M_hi, M_lo, D, Q_hi, Q_lo, O0
+    [, inv])`, the inputs of the Mosaic GPU chunk chains."""
     B, Tp, _, K = r.shape
     V = v.shape[-1]
     BH, NT = B * H, Tp // C
     has_n = n_BT is not None
 
-    out_names = ("M", "D", "Q", "O0") + (("inv",) if want_inv else ())
+    pairs = ("M", "Q") if split_mq else ()
+    names = [(nm + "_hi", nm + "_lo") if nm in pairs else (nm,) for nm in ("M", "D", "Q", "O0")]
+    out_names = sum(names, ()) + (("inv",) if want_inv else ())
 
     def kernel(*refs):
         n = refs[6][...] if has_n else None
-        ld, st = _io("rwkvab", refs[:6], out_names, refs[6 + has_n:])
+        ld, st_ref = _io("rwkvab", refs[:6], out_names, refs[6 + has_n:])
+
+        def st(name, value):
+            if name in pairs:
+                for part, x in zip(("_hi", "_lo"), split_bf16(value)):
+                    st_ref(name + part, x)
+            else:
+                st_ref(name, value)
         tiles.intra_forward(ld, st, n, prec)
 
     kspec, vspec, in_specs, args = _chunk_inputs(r, w, k, v, a, b, n_BT, C, H)
-    shapes = [(K, K), (K, V), (C, K), (C, V)] + ([(C, C)] if want_inv else [])
-    out_shape = [jax.ShapeDtypeStruct((BH, NT) + s, _F32) for s in shapes]
-    out_specs = [_chunk_spec(*s) for s in shapes]
+    shapes = [(K, K), (K, V), (C, K), (C, V)]
+    out_shape, out_specs = [], []
+    for group, s in zip(names, shapes):
+        dtype = jnp.bfloat16 if len(group) == 2 else _F32
+        out_shape += [jax.ShapeDtypeStruct((BH, NT) + s, dtype)] * len(group)
+        out_specs += [_chunk_spec(*s)] * len(group)
+    if want_inv:
+        out_shape.append(jax.ShapeDtypeStruct((BH, NT, C, C), _F32))
+        out_specs.append(_chunk_spec(C, C))
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(BH, NT), in_specs=in_specs, out_specs=out_specs,
         compiler_params=_params(tune.warps_intra), interpret=interpret, name="wkv7_intra_fwd",
@@ -223,19 +252,23 @@ def seq_fwd(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interp
 
 
 def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
-    """Chunk-parallel outputs o = Q S0 + O0 -> [B, Tp, H, V] (used with `tune.split_out`)."""
+    """Chunk-parallel outputs o = Q S0 + O0 -> [B, Tp, H, V] (used with `tune.split_out` and
+    after the Mosaic GPU chains). `Q` is float32 or a `split_bf16` pair (hi, lo), summed."""
     BH, NT, K, V = states.shape
     B = BH // H
+    qs = tuple(Q) if isinstance(Q, (tuple, list)) else (Q,)
 
-    def kernel(Q_ref, O0_ref, s_ref, o_ref):
-        o_ref[...] = (mm(Q_ref[...], s_ref[...], prec) + O0_ref[...]).astype(o_ref.dtype)
+    def kernel(*refs):
+        *q_refs, O0_ref, s_ref, o_ref = refs
+        q = sum(ref[...].astype(_F32) for ref in q_refs)
+        o_ref[...] = (mm(q, s_ref[...], prec) + O0_ref[...]).astype(o_ref.dtype)
 
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((B, NT * C, H, V), out_dtype), grid=(BH, NT),
-        in_specs=[_chunk_spec(C, K), _chunk_spec(C, V), _chunk_spec(K, V)],
+        in_specs=[_chunk_spec(C, K)] * len(qs) + [_chunk_spec(C, V), _chunk_spec(K, V)],
         out_specs=_tile_spec(C, V, H), compiler_params=_params(tune.warps_intra),
         interpret=interpret, name="wkv7_out_fwd",
-    )(Q, O0, states)
+    )(*qs, O0, states)
 
 
 def seq_bwd(M, Q, do, dsT, *, H, C, prec, tune, interpret):

@@ -13,7 +13,7 @@ triangular inverse [B*H, NT, C, C], plus the inputs themselves.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,19 @@ PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HI
               "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
+class Chains(NamedTuple):
+    """Chunk chains run instead of the Triton `seq_fwd` / `seq_bwd` launches: the Mosaic GPU
+    ones (`mosaic_gpu/state_pass.py`), passed in by `lwm_jax.ops.wkv7.pallas` because kernel
+    packages import no other kernel package. `forward(M_hi, M_lo, D, s0) -> (states, final)`,
+    `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H) -> (dS_end, d_s0)`, with M and Q as
+    `launches.split_bf16` pairs, K = V = 64, C = 32 and `do` bfloat16 (the caller checks).
+    Where the gradient is taken both chains run; `primal`: forward-only calls run the forward
+    chain too (else the Triton launches, which need no chunk states there)."""
+    forward: Callable
+    backward: Callable
+    primal: bool
+
+
 class _Cfg(NamedTuple):
     H: int
     C: int
@@ -42,26 +55,43 @@ class _Cfg(NamedTuple):
     out_dtype: Any
     tune: Tuning
     interpret: bool
+    chains: Chains | None = None
+
+
+def _kw(cfg):
+    return dict(H=cfg.H, C=cfg.C, prec=cfg.prec, tune=cfg.tune, interpret=cfg.interpret)
+
+
+def _forward(r, w, k, v, a, b, s0, n, cfg, want_inv):
+    """`(o, sT, M, Q, states[, inv])`. With `cfg.chains` M and Q are bf16 pairs and the
+    states always come back; otherwise they are None unless the launches keep them."""
+    kw = _kw(cfg)
+    if cfg.chains is not None:
+        M_hi, M_lo, D, Q_hi, Q_lo, O0, *inv = launches.intra_fwd(
+            r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, **kw)
+        M, Q = (M_hi, M_lo), (Q_hi, Q_lo)
+        states, sT = cfg.chains.forward(M_hi, M_lo, D, s0)
+        o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
+        return (o, sT, M, Q, states, *inv)
+    M, D, Q, O0, *inv = launches.intra_fwd(r, w, k, v, a, b, n, want_inv=want_inv, **kw)
+    o, sT, *states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
+                                      want_states=want_inv, **kw)
+    states = states[0] if states else None
+    if o is None:
+        o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
+    return (o, sT, M, Q, states, *inv)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8,))
 def _core(r, w, k, v, a, b, s0, n, cfg):
-    kw = dict(H=cfg.H, C=cfg.C, prec=cfg.prec, tune=cfg.tune, interpret=cfg.interpret)
-    M, D, Q, O0 = launches.intra_fwd(r, w, k, v, a, b, n, want_inv=False, **kw)
-    o, sT, *states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
-                                         want_states=False, **kw)
-    if o is None:
-        o = launches.out_fwd(Q, O0, states[0], out_dtype=cfg.out_dtype, **kw)
+    if cfg.chains is not None and not cfg.chains.primal:
+        cfg = cfg._replace(chains=None)
+    o, sT, *_ = _forward(r, w, k, v, a, b, s0, n, cfg, want_inv=False)
     return o, sT
 
 
 def _core_fwd(r, w, k, v, a, b, s0, n, cfg):
-    kw = dict(H=cfg.H, C=cfg.C, prec=cfg.prec, tune=cfg.tune, interpret=cfg.interpret)
-    M, D, Q, O0, inv = launches.intra_fwd(r, w, k, v, a, b, n, want_inv=True, **kw)
-    o, sT, states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
-                                        want_states=True, **kw)
-    if o is None:
-        o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
+    o, sT, M, Q, states, inv = _forward(r, w, k, v, a, b, s0, n, cfg, want_inv=True)
     # named so that a remat policy can keep them instead of re-running the forward kernels
     M, Q, inv, states = checkpoint_name((M, Q, inv, states), WKV7_RESIDUALS_NAME)
     return (o, sT), (r, w, k, v, a, b, n, M, Q, inv, states)
@@ -70,8 +100,12 @@ def _core_fwd(r, w, k, v, a, b, s0, n, cfg):
 def _core_bwd(cfg, res, cts):
     r, w, k, v, a, b, n, M, Q, inv, states = res
     do, dsT = cts
-    kw = dict(H=cfg.H, C=cfg.C, prec=cfg.prec, tune=cfg.tune, interpret=cfg.interpret)
-    dS_end, ds0 = launches.seq_bwd(M, Q, do, dsT.astype(jnp.float32), **kw)
+    kw = _kw(cfg)
+    if cfg.chains is not None:
+        dS_end, ds0 = cfg.chains.backward(*M, *Q, do.astype(jnp.bfloat16),
+                                          dsT.astype(jnp.float32), H=cfg.H)
+    else:
+        dS_end, ds0 = launches.seq_bwd(M, Q, do, dsT.astype(jnp.float32), **kw)
     grads = launches.intra_bwd(r, w, k, v, a, b, n, inv, states, dS_end, do, **kw)
     return (*grads, ds0, None)
 
@@ -103,7 +137,7 @@ def validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dt
 
 
 def prepare(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype, precision,
-            interpret, tuning):
+            interpret, tuning, chains=None):
     """What every GPU entry point does after `validate`: T padded to a multiple of the chunk C
     (padded steps: w = 0, everything else 0, leave the state unchanged), the float32 start
     state, the per-chunk reset counter and the launch config. Returns `((r, w, k, v, a, b)
@@ -127,12 +161,13 @@ def prepare(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dty
     n = None if segment_ids is None else chunk_reset_counter(segment_ids, T_pad, C)
     prec = PRECISIONS["highest" if interpret and precision == "tf32x3" else precision]
     cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype,
-               tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret))
+               tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret),
+               chains=chains)
     return (r, w, k, v, a, b), s0, n, cfg
 
 
 def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=32,
-             output_dtype=None, *, precision=None, interpret=False, tuning=None):
+             output_dtype=None, *, precision=None, interpret=False, tuning=None, chains=None):
     """WKV7 forward (and, through `jax.custom_vjp`, backward) with Pallas-Triton kernels.
 
     Args:
@@ -154,6 +189,9 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
         float32 inputs, else "default".
       interpret: run the kernels in the Pallas interpreter (CPU tests).
       tuning: a `Tuning` (launch parameters) or None for the defaults.
+      chains: a `Chains` run instead of the sequential Triton launches, or None. Only for
+        K = V-block = 64, C = 32, TF32 precision and a bfloat16 output (`lwm_jax.ops.wkv7.pallas`
+        decides).
 
     Returns:
       `(o [B, T, H, V] in output_dtype, final_state [B, H, K, V] float32)`.
@@ -162,7 +200,7 @@ def wkv7_gpu(r, w, k, v, a, b, initial_state=None, segment_ids=None, chunk_size=
     T, V = r.shape[1], v.shape[-1]
     (r, w, k, v, a, b), s0, n, cfg = prepare(r, w, k, v, a, b, initial_state, segment_ids,
                                              chunk_size, output_dtype, precision, interpret,
-                                             tuning)
+                                             tuning, chains)
     if V <= MAX_V:
         o, sT = _core(r, w, k, v, a, b, s0, n, cfg)
     else:  # value columns evolve independently: run blocks of MAX_V columns and concatenate

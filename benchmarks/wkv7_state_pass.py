@@ -1,0 +1,135 @@
+"""Device benchmark: the chunk chains of the WKV7 GPU kernel on Pallas Mosaic GPU
+(`lwm_jax/ops/wkv7/mosaic_gpu/state_pass.py`) against the Pallas-Triton `seq_fwd` / `seq_bwd`
+launches they would replace: same maps, same process, same timer (`wkv7.py`'s `bench`).
+
+    python benchmarks/wkv7_state_pass.py [--shapes "8,4096,12;2,4096,32"] [--check-only]
+
+Maps: the Triton chunk launch (`launches.intra_fwd`) on RWKV-7-like random bf16 inputs
+(`testing.random_wkv7_inputs`); M and Q split into bf16 hi / lo by XLA here (what the chunk
+launch would write for the Mosaic chains). Accuracy: every chunk state (forward) and every
+end-state cotangent (backward) against the same chains in float64 NumPy on the same float32
+maps, `||x - ref|| / ||ref||` over all chunks, for both backends. Timing: median ms of one
+launch (`states only` for the Triton forward, as the training step runs it when it splits the
+outputs off; the Mosaic chain always writes states only). One JSON line per result.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.wkv7 import bench, emit  # noqa: E402
+
+SHAPES = "8,4096,12;4,4096,32;1,32768,32;16,2048,32;2,4096,32"
+C = 32
+
+
+def chains_f64(M, D, Q, do, s0, H):
+    """The forward states and backward cotangents in float64 (NumPy), from float32 maps; `s0`
+    is both the start state and the final state's cotangent (as the timed launches take it)."""
+    M, D, Q = (np.asarray(x, np.float64) for x in (M, D, Q))
+    BH, NT = M.shape[:2]
+    B = BH // H
+    do = np.asarray(np.asarray(do, np.float32), np.float64)
+    do = do.reshape(B, NT, C, H, 64).transpose(0, 3, 1, 2, 4).reshape(BH, NT, C, 64)
+    S = np.asarray(s0, np.float64).reshape(BH, 64, 64)
+    states = np.empty_like(D)
+    for c in range(NT):
+        states[:, c] = S
+        S = M[:, c] @ S + D[:, c]
+    g = np.asarray(s0, np.float64).reshape(BH, 64, 64)   # the end state's cotangent
+    dS = np.empty_like(D)
+    for c in range(NT - 1, -1, -1):
+        dS[:, c] = g
+        g = np.swapaxes(M[:, c], 1, 2) @ g + np.swapaxes(Q[:, c], 1, 2) @ do[:, c]
+    return states, dS
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--shapes", default=SHAPES, help="B,T,H;... (K = V = 64)")
+    p.add_argument("--check-shape", default="2,1024,4")
+    p.add_argument("--check-only", action="store_true")
+    args = p.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
+    from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
+    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
+    from lwm_jax.ops.wkv7.mosaic_gpu import state_pass as sp
+    emit(case="env", jax=jax.__version__, device=str(jax.devices()[0].device_kind))
+    prec = jax.lax.Precision.DEFAULT
+
+    def split(x):
+        hi = x.astype(jnp.bfloat16)
+        return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
+
+    def maps(B, T, H, seed=3):
+        xs = random_wkv7_inputs(jax.random.PRNGKey(seed), B, T, H, 64, 64, jnp.bfloat16)
+        do = jax.random.normal(jax.random.PRNGKey(seed + 1), (B, T, H, 64), jnp.bfloat16)
+        s0 = 0.5 * jax.random.normal(jax.random.PRNGKey(seed + 2), (B, H, 64, 64), jnp.float32)
+        kw = dict(H=H, C=C, prec=prec, tune=resolve(Tuning(split_out=True), C, B * H, 64),
+                  interpret=False)
+        M, Dm, Q, O0 = jax.jit(lambda xs: gk.intra_fwd(*xs, None, want_inv=False, **kw))(xs)
+        return dict(M=M, D=Dm, Q=Q, O0=O0, do=do, s0=s0, kw=kw,
+                    mh=split(M), qh=split(Q))
+
+    def triton_fwd(p):
+        kw = p["kw"]
+        f = jax.jit(lambda M, Dm, Q, O0, s0: gk.seq_fwd(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16,
+                                                        want_states=True, **kw))
+        return f, (p["M"], p["D"], p["Q"], p["O0"], p["s0"])
+
+    def triton_bwd(p):
+        kw = p["kw"]
+        f = jax.jit(lambda M, Q, do, s: gk.seq_bwd(M, Q, do, s, **kw))
+        return f, (p["M"], p["Q"], p["do"], p["s0"])
+
+    def mosaic_fwd(p):
+        return sp.forward_states, (*p["mh"], p["D"], p["s0"])
+
+    def mosaic_bwd(p, H):
+        f = jax.jit(lambda mh, ml, qh, ql, do, s: sp.backward_states(mh, ml, qh, ql, do, s, H=H))
+        return f, (*p["mh"], *p["qh"], p["do"], p["s0"])
+
+    B, T, H = (int(x) for x in args.check_shape.split(","))
+    p = maps(B, T, H)
+    ref_states, ref_dS = chains_f64(p["M"], p["D"], p["Q"], p["do"], p["s0"], H)
+    rel = lambda x, r: float(np.linalg.norm(np.asarray(x, np.float64) - r)  # noqa: E731
+                             / np.linalg.norm(r))
+    for name, run in (("triton", lambda: (triton_fwd(p), triton_bwd(p))),
+                      ("mosaic", lambda: (mosaic_fwd(p), mosaic_bwd(p, H)))):
+        try:
+            (ff, fa), (bf, ba) = run()
+            out_f = ff(*fa)
+            states = out_f[-1] if name == "triton" else out_f[0]
+            dS, _ = bf(*ba)
+            emit(case="check", backend=name, B=B, T=T, H=H,
+                 states_err=rel(states, ref_states), dS_err=rel(dS, ref_dS),
+                 dS_end0_nonzero=bool(np.abs(np.asarray(dS[:, 0])).max() > 0))
+        except Exception as e:  # keep going: the other backend's figures still count
+            emit(case="check-error", backend=name, error=repr(e)[:1500])
+    if args.check_only:
+        return
+    for shape in args.shapes.split(";"):
+        B, T, H = (int(x) for x in shape.split(","))
+        p = maps(B, T, H)
+        for name, fn in (("triton-seq_fwd", lambda: triton_fwd(p)),
+                         ("mosaic-seq_fwd", lambda: mosaic_fwd(p)),
+                         ("triton-seq_bwd", lambda: triton_bwd(p)),
+                         ("mosaic-seq_bwd", lambda: mosaic_bwd(p, H))):
+            try:
+                f, a = fn()
+                emit(case="time", what=name, B=B, T=T, H=H, ms=round(bench(f, *a) * 1e3, 4))
+            except Exception as e:
+                emit(case="time-error", what=name, B=B, T=T, H=H, error=repr(e)[:600])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The chunk chains of the WKV7 GPU kernel on Pallas Mosaic GPU (Hopper: wgmma + TMA).
+
+    states, final = forward_states(M_hi, M_lo, D, s0)
+    dS_end, ds0 = backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
+
+They replace the Pallas-Triton `seq_fwd` (states only) and `seq_bwd` launches
+(`pallas_gpu/launches.py`), whose chunk-parallel launches produce the per-chunk maps:
+
+    forward   S_{c+1} = M_c S_c + D_c                    (chunk c's start state S_c [K, V])
+    backward  dS_{c-1} = M_c^T dS_c + Q_c^T dO_c         (dS_c: cotangent of chunk c's end state)
+
+Shapes (BH = B * H heads, NT chunks of C = 32 tokens, K = V = 64):
+  M_hi, M_lo  [BH, NT, 64, 64] bfloat16, M ~= M_hi + M_lo (16 significant bits)
+  D           [BH, NT, 64, 64] float32
+  Q_hi, Q_lo  [BH, NT, 32, 64] bfloat16, Q ~= Q_hi + Q_lo
+  do          [B, NT * 32, H, 64] bfloat16 (the output cotangent, exact as an operand)
+  s0, dsT     [B, H, 64, 64] float32
+Returns float32: `states` [BH, NT, 64, 64] (S_c, the start state of every chunk) and the final
+state [B, H, 64, 64]; `dS_end` [BH, NT, 64, 64] (dS_c) and d(initial state) [B, H, 64, 64].
+
+Design. One CTA (one warpgroup) per head carries the state in float32 registers as the wgmma
+accumulator. Per chunk the state is split into bf16 hi / lo tiles in shared memory and the
+step is one accumulation of bf16 products ("bf16x3": M_hi S_hi + M_hi S_lo + M_lo S_hi, about
+16 significant bits per operand, more than the TF32 products of the Triton launches); the
+backward adds Q^T dO as two products (dO is bf16 already; its 32 rows sit in the lower half of
+a 64-row tile whose upper half, and Q's, stay zero). TMA brings the maps of the next
+`_STAGES - 1` chunks while a chunk runs; every chunk's state leaves through TMA from one of two
+staging tiles. Both operands of every product come from shared memory, so the accumulator is
+the only large register array (no wgmma serialisation for want of registers).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from lwm_jax.ops.wkv7.mosaic_gpu.fwd import _BF16, _F32, _SHAPE, _load, _mm, _split, \
+    _swizzled, pl, plgpu
+
+_STAGES = 3   # chunks of maps in flight (the one in use and the next two)
+_C = 32       # chunk length the Triton chunk launches use
+
+
+def _state_out(x, stage, slot, dst):
+    """Stores the float32 [64, 64] register tile `x` into staging tile `slot` and sends it to
+    `dst` (HBM) by TMA; the staging tile used two stores ago must have been read out."""
+    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    stage.at[slot][...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage.at[slot], dst)
+
+
+def _forward_kernel(BH, NT, H):
+    def body(mh_ref, ml_ref, d_ref, s0_ref, st_ref, sT_ref,
+             mh, ml, ds, s_hi, s_lo, stage, load_bar, s0_bar):
+        bi, hi = lax.axis_index("b"), lax.axis_index("h")
+        bh = bi * H + hi
+
+        def issue(c):
+            slot = c % _STAGES
+            bar = load_bar.at[slot]
+            plgpu.copy_gmem_to_smem(mh_ref.at[bh, c], mh.at[slot], bar)
+            plgpu.copy_gmem_to_smem(ml_ref.at[bh, c], ml.at[slot], bar)
+            plgpu.copy_gmem_to_smem(d_ref.at[bh, c], ds.at[slot], bar)
+
+        for c in range(min(_STAGES - 1, NT)):
+            issue(c)
+        plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi], stage.at[1], s0_bar)
+        plgpu.barrier_wait(s0_bar)
+        s_init = _load(stage.at[1])
+
+        def chunk(c, s):
+            slot = c % _STAGES
+            _state_out(s, stage, c % 2, st_ref.at[bh, c])   # commits s_hi / s_lo too
+            # the slot chunk c - 1 used is free: every thread passed the barrier above
+            @pl.when(c + _STAGES - 1 < NT)
+            def _prefetch():
+                issue(c + _STAGES - 1)
+
+            plgpu.barrier_wait(load_bar.at[slot])
+            return _mm([(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
+                       init=_load(ds.at[slot]))
+
+        def step(c, s):
+            hi_, lo_ = _split(s)
+            s_hi[...] = hi_
+            s_lo[...] = lo_
+            return chunk(c, s)
+
+        s_end = lax.fori_loop(0, NT, step, s_init)
+        plgpu.wait_smem_to_gmem(0)
+        stage.at[0][...] = s_end
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage.at[0], sT_ref.at[bi, hi])
+        plgpu.wait_smem_to_gmem(0)
+
+    tiles = (_swizzled((_STAGES,) + _SHAPE), _swizzled((_STAGES,) + _SHAPE),   # M hi / lo
+             _swizzled((_STAGES,) + _SHAPE, _F32))                              # D
+    return _launch(body, tiles, 3, BH, NT, H, "wkv7_mosaic_seq_fwd")
+
+
+def _launch(body, tiles, loads_per_chunk, BH, NT, H, name):
+    """`plgpu.kernel` of a chain: grid (B, H), one warpgroup; scratch = `tiles` (the maps'
+    ring), the state's bf16 hi / lo operand tiles, two float32 staging tiles, the ring's
+    barriers and one for the start value. Outputs: per-chunk tiles [BH, NT, 64, 64] and the
+    last value [B, H, 64, 64], float32."""
+    B = BH // H
+    scratch = (*tiles, _swizzled(_SHAPE), _swizzled(_SHAPE), _swizzled((2,) + _SHAPE, _F32),
+               plgpu.Barrier(num_arrivals=loads_per_chunk, num_barriers=_STAGES),
+               plgpu.Barrier(num_arrivals=1))
+    out_type = (jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32),
+                jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
+    params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
+    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(B, H),
+                        grid_names=("b", "h"), compiler_params=params, kernel_name=name)
+
+
+def _backward_kernel(BH, NT, H):
+    def body(mh_ref, ml_ref, qh_ref, ql_ref, do_ref, dsT_ref, dS_ref, ds0_ref,
+             mh, ml, qh, ql, dos, g_hi, g_lo, stage, load_bar, s0_bar):
+        bi, hi = lax.axis_index("b"), lax.axis_index("h")
+        bh = bi * H + hi
+        bottom = pl.ds(_C, _C)
+
+        def issue(i):
+            c = NT - 1 - i
+            slot = i % _STAGES
+            bar = load_bar.at[slot]
+            plgpu.copy_gmem_to_smem(mh_ref.at[bh, c], mh.at[slot], bar)
+            plgpu.copy_gmem_to_smem(ml_ref.at[bh, c], ml.at[slot], bar)
+            plgpu.copy_gmem_to_smem(qh_ref.at[bh, c], qh.at[slot, bottom], bar)
+            plgpu.copy_gmem_to_smem(ql_ref.at[bh, c], ql.at[slot, bottom], bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, pl.ds(c * _C, _C), hi], dos.at[slot, bottom],
+                                    bar)
+
+        # the upper halves of the Q and dO tiles stay zero: their products add nothing
+        zeros = plgpu.layout_cast(jnp.zeros(_SHAPE, _BF16), plgpu.Layout.WGMMA)
+        for slot in range(_STAGES):
+            for t in (qh, ql, dos):
+                t.at[slot][...] = zeros
+        plgpu.commit_smem()
+        for i in range(min(_STAGES - 1, NT)):
+            issue(i)
+        plgpu.copy_gmem_to_smem(dsT_ref.at[bi, hi], stage.at[1], s0_bar)
+        plgpu.barrier_wait(s0_bar)
+        g_init = _load(stage.at[1])
+
+        def step(i, g):
+            c = NT - 1 - i
+            slot = i % _STAGES
+            hi_, lo_ = _split(g)
+            g_hi[...] = hi_
+            g_lo[...] = lo_
+            _state_out(g, stage, i % 2, dS_ref.at[bh, c])   # commits g_hi / g_lo too
+
+            @pl.when(i + _STAGES - 1 < NT)
+            def _prefetch():
+                issue(i + _STAGES - 1)
+
+            plgpu.barrier_wait(load_bar.at[slot])
+            m_hi_t, m_lo_t = mh.at[slot].T, ml.at[slot].T
+            return _mm([(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
+                        (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])])
+
+        g0 = lax.fori_loop(0, NT, step, g_init)
+        plgpu.wait_smem_to_gmem(0)
+        stage.at[0][...] = g0
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage.at[0], ds0_ref.at[bi, hi])
+        plgpu.wait_smem_to_gmem(0)
+
+    # M hi / lo, [0; Q] hi / lo, [0; dO]
+    tiles = tuple(_swizzled((_STAGES,) + _SHAPE) for _ in range(5))
+    return _launch(body, tiles, 5, BH, NT, H, "wkv7_mosaic_seq_bwd")
+
+
+def check_maps(fn: str, M_hi, M_lo, D) -> None:
+    """The forward chain's contract, errors named after `fn`."""
+    if M_hi.ndim != 4 or M_hi.shape[2:] != _SHAPE:
+        raise ValueError(f"{fn}: M_hi must be [BH, NT, 64, 64], got {M_hi.shape}")
+    for name, x, dt in (("M_hi", M_hi, _BF16), ("M_lo", M_lo, _BF16), ("D", D, _F32)):
+        if x.shape != M_hi.shape or x.dtype != dt:
+            raise ValueError(f"{fn}: {name} must be {dt.__name__} {M_hi.shape}, "
+                             f"got {x.dtype} {x.shape}")
+
+
+@jax.jit
+def forward_states(M_hi, M_lo, D, s0):
+    """Forward chain (module docstring). `s0` [B, H, 64, 64] float32. Returns
+    `(states [BH, NT, 64, 64], final_state [B, H, 64, 64])`, float32."""
+    check_maps("forward_states", M_hi, M_lo, D)
+    B, H = s0.shape[:2]
+    BH, NT = M_hi.shape[:2]
+    if BH != B * H or s0.shape[2:] != _SHAPE:
+        raise ValueError(f"forward_states: s0 must be [B, H, 64, 64] with B * H = {BH}, "
+                         f"got {s0.shape}")
+    return _forward_kernel(BH, NT, H)(M_hi, M_lo, D, s0.astype(_F32))
+
+
+@functools.partial(jax.jit, static_argnames=("H",))
+def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
+    """Backward chain (module docstring). Returns `(dS_end [BH, NT, 64, 64], d_initial_state
+    [B, H, 64, 64])`, float32."""
+    BH, NT = M_hi.shape[:2]
+    B = BH // H
+    want_q = (BH, NT, _C, 64)
+    for name, x in (("Q_hi", Q_hi), ("Q_lo", Q_lo)):
+        if x.shape != want_q or x.dtype != _BF16:
+            raise ValueError(f"backward_states: {name} must be bfloat16 {want_q}, got "
+                             f"{x.dtype} {x.shape}")
+    if do.shape != (B, NT * _C, H, 64) or do.dtype != _BF16:
+        raise ValueError(f"backward_states: do must be bfloat16 {(B, NT * _C, H, 64)}, got "
+                         f"{do.dtype} {do.shape}")
+    return _backward_kernel(BH, NT, H)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(_F32))

@@ -1,0 +1,185 @@
+"""The chunk chains of the GPU WKV7 kernel: the Mosaic GPU chains (`mosaic_gpu/state_pass.py`)
+in place of the Pallas-Triton `seq_fwd` / `seq_bwd` launches, and the rule that picks them.
+
+On CPU the wiring runs in the Pallas interpreter with float32 JAX stand-ins for the chains (the
+Mosaic kernels compile only for Hopper): the chunk launch's bf16 hi / lo maps, the output
+launch reading them and the custom_vjp's residuals must give the Triton path's outputs and
+gradients. Tests marked `gpu` run the Mosaic chains themselves against float64.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from lwm_jax.ops.wkv7.pallas import Tuning, mosaic_chains, wkv7_pallas
+from lwm_jax.ops.wkv7.pallas_gpu.op import Chains, wkv7_gpu
+from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+
+_F32 = jnp.float32
+_HI = lax.Precision.HIGHEST
+C = 32
+
+
+def _pair(hi, lo):
+    return hi.astype(_F32) + lo.astype(_F32)
+
+
+def _forward_standin(calls):
+    def forward(M_hi, M_lo, D, s0):
+        calls.append("forward")
+        M = _pair(M_hi, M_lo)
+        B, H = s0.shape[:2]
+
+        def step(S, md):
+            m, d = md
+            return jnp.einsum("bij,bjv->biv", m, S, precision=_HI) + d, S
+        S_end, states = lax.scan(step, s0.reshape((B * H,) + s0.shape[2:]),
+                                 (M.swapaxes(0, 1), D.swapaxes(0, 1)))
+        return states.swapaxes(0, 1), S_end.reshape(s0.shape)
+    return forward
+
+
+def _backward_standin(calls):
+    def backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
+        calls.append("backward")
+        assert do.dtype == jnp.bfloat16
+        M, Q = _pair(M_hi, M_lo), _pair(Q_hi, Q_lo)
+        BH, NT = M.shape[:2]
+        B = BH // H
+        V = do.shape[-1]
+        dO = do.astype(_F32).reshape(B, NT, C, H, V).transpose(0, 3, 1, 2, 4)
+        dO = dO.reshape(BH, NT, C, V)
+
+        def step(g, mqd):
+            m, q, d = mqd
+            new = (jnp.einsum("bji,bjv->biv", m, g, precision=_HI)
+                   + jnp.einsum("bci,bcv->biv", q, d, precision=_HI))
+            return new, g
+        g0, dS = lax.scan(step, dsT.reshape((BH,) + dsT.shape[2:]),
+                          (M.swapaxes(0, 1), Q.swapaxes(0, 1), dO.swapaxes(0, 1)), reverse=True)
+        return dS.swapaxes(0, 1), g0.reshape(dsT.shape)
+    return backward
+
+
+def _problem(seed, B, T, H, V):
+    xs = random_wkv7_inputs(jax.random.PRNGKey(seed), B, T, H, 64, V, jnp.bfloat16)
+    ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
+    s0 = 0.5 * jax.random.normal(ks[0], (B, H, 64, V), _F32)
+    seg = jnp.asarray([[0] * 20 + [1] * (T - 20), [4] * (T - 3) + [5] * 3][:B], jnp.int32)
+    do = jax.random.normal(ks[1], (B, T, H, V), jnp.bfloat16)
+    dsT = jax.random.normal(ks[2], (B, H, 64, V), _F32)
+    return xs, s0, seg, do, dsT
+
+
+def _vjp(fn, xs, s0, do, dsT):
+    (o, sT), pull = jax.vjp(fn, xs, s0)
+    gxs, gs0 = pull((do, dsT))
+    return [o, sT, *gxs, gs0]
+
+
+def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
+    """Interpreter, bf16 inputs, documents, an initial state, ragged T and V = 128 (two value
+    blocks): with the chains in place of the sequential launches every output and gradient
+    equals the Triton path's to the bf16 pairs' 16 bits (1e-4 relative), and both chains ran."""
+    xs, s0, seg, do, dsT = _problem(0, 2, 83, 2, 128)
+    calls = []
+    chains = Chains(_forward_standin(calls), _backward_standin(calls), primal=True)
+    run = lambda ch: _vjp(lambda xs, s0: wkv7_gpu(*xs, s0, seg, 32, interpret=True,  # noqa: E731
+                                                  chains=ch), xs, s0, do, dsT)
+    got, want = run(chains), run(None)
+    assert "forward" in calls and "backward" in calls
+    diffs = [rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, want)]
+    assert max(diffs) < 1e-4, diffs
+
+
+def test_forward_only_calls_run_the_chain_only_when_primal():
+    xs, s0, seg, _, _ = _problem(1, 2, 64, 1, 64)
+    ref, _ = wkv7_gpu(*xs, s0, seg, 32, interpret=True)
+    for primal, expect in ((False, []), (True, ["forward"])):
+        calls = []
+        chains = Chains(_forward_standin(calls), _backward_standin(calls), primal=primal)
+        o, _ = wkv7_gpu(*xs, s0, seg, 32, interpret=True, chains=chains)
+        assert calls == expect
+        assert rel_err(o.astype(_F32), ref.astype(_F32)) < 1e-4
+
+
+def test_the_rule_keeps_triton_where_the_chains_cannot_run():
+    xs = random_wkv7_inputs(jax.random.PRNGKey(2), 1, 64, 2, 64, 64, jnp.bfloat16)
+    r, v = xs[0], xs[3]
+    assert mosaic_chains(r, v, 32, None, None, None, interpret=True) is None
+    assert mosaic_chains(r, v, 32, None, None, Tuning(chains="triton"), False) is None
+    with pytest.raises(ValueError, match="^Tuning.chains='mosaic': .*interpreter"):
+        mosaic_chains(r, v, 32, None, None, Tuning(chains="mosaic"), interpret=True)
+    with pytest.raises(ValueError, match="^Tuning.chains must be"):
+        mosaic_chains(r, v, 32, None, None, Tuning(chains="cuda"), interpret=True)
+    if jax.default_backend() != "gpu":  # off a GPU nothing applies, whatever the shapes
+        assert mosaic_chains(r, v, 32, None, None, None, interpret=False) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the Mosaic chains themselves (Hopper, jax >= 0.11)
+
+def _mosaic_or_skip():
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a CUDA GPU")
+    if getattr(jax.devices()[0], "compute_capability", None) != "9.0":
+        pytest.skip("needs an sm_90 (Hopper) GPU")
+    try:
+        from lwm_jax.ops.wkv7.mosaic_gpu import state_pass
+    except ImportError as err:
+        pytest.skip(f"mosaic_gpu does not import: {err}")
+    return state_pass
+
+
+@pytest.mark.gpu
+def test_mosaic_chains_match_float64_chains():
+    """Both chains on the chunk launch's maps of random inputs, against the same chains in
+    float64 on the same float32 maps: the bf16x3 products keep every chunk state and every
+    state cotangent within 2e-5 (the Triton TF32 launches: ~1e-6 / ~2e-4, measured)."""
+    sp = _mosaic_or_skip()
+    from lwm_jax.ops.wkv7.pallas_gpu import launches
+    B, T, H = 2, 1024, 3
+    xs, s0, _, do, dsT = _problem(3, B, T, H, 64)
+    kw = dict(H=H, C=C, prec=lax.Precision.DEFAULT, interpret=False,
+              tune=launches.resolve(Tuning(), C, B * H, 64))
+    M_hi, M_lo, D, Q_hi, Q_lo, _ = launches.intra_fwd(*xs, None, want_inv=False, split_mq=True,
+                                                      **kw)
+    states, sT = sp.forward_states(M_hi, M_lo, D, s0)
+    dS, ds0 = sp.backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
+    f64 = lambda x: np.asarray(jnp.asarray(x, _F32), np.float64)  # noqa: E731
+    M, Q, D = f64(_pair(M_hi, M_lo)), f64(_pair(Q_hi, Q_lo)), f64(D)
+    NT = T // C
+    dO = f64(do).reshape(B, NT, C, H, 64).transpose(0, 3, 1, 2, 4).reshape(B * H, NT, C, 64)
+    S, want_states = f64(s0).reshape(B * H, 64, 64), np.empty_like(D)
+    for c in range(NT):
+        want_states[:, c] = S
+        S = M[:, c] @ S + D[:, c]
+    g, want_dS = f64(dsT).reshape(B * H, 64, 64), np.empty_like(D)
+    for c in range(NT - 1, -1, -1):
+        want_dS[:, c] = g
+        g = M[:, c].transpose(0, 2, 1) @ g + Q[:, c].transpose(0, 2, 1) @ dO[:, c]
+    errs = {"states": rel_err(states, want_states), "final": rel_err(sT, S.reshape(sT.shape)),
+            "dS": rel_err(dS, want_dS), "ds0": rel_err(ds0, g.reshape(ds0.shape))}
+    assert max(errs.values()) < 2e-5, errs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,T,H,V", [(2, 300, 2, 64), (1, 256, 2, 128)])
+def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V):
+    """The whole op (bf16, documents, an initial state) with the Mosaic chains against float64:
+    every output and gradient error at most 2% above the Triton chains' (same call), and within
+    bf16 rounding (5e-3)."""
+    _mosaic_or_skip()
+    xs, s0, seg, do, dsT = _problem(4, B, T, H, V)
+    ref_o, ref_s, ref_g = wkv7_reference_vjp_f64(xs, s0, seg, np.asarray(do, np.float64), dsT)
+    refs = [ref_o, ref_s, *[ref_g[n] for n in "rwkvab"], ref_g["initial_state"]]
+    errs = {}
+    for chains in ("triton", "mosaic"):
+        fn = lambda xs, s0: wkv7_pallas(*xs, s0, seg, 32, tuning=Tuning(chains=chains))  # noqa
+        errs[chains] = [rel_err(x.astype(_F32), r) for x, r in zip(_vjp(fn, xs, s0, do, dsT),
+                                                                   refs)]
+    assert max(errs["mosaic"]) < 5e-3, errs
+    assert all(m <= 1.02 * t + 1e-6 for m, t in zip(errs["mosaic"], errs["triton"])), errs
