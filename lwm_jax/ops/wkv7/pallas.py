@@ -10,7 +10,8 @@ FLA layout: r, w, k, a, b `[B, T, H, K]`, v `[B, T, H, V]`, w = log-decay (<= 0)
 Dispatch on the platform the program is compiled for (`platform`; None: JAX's default
 devices, `lwm_jax.hardware.platform_of`):
   gpu -> Pallas-Triton kernels (`pallas_gpu/`: `op.py`, `launches.py`, `tiles.py`,
-         `tiles_bwd_stacked.py`);
+         `tiles_bwd_stacked.py`), with the chunk chains on Pallas Mosaic GPU
+         (`mosaic_gpu/state_pass.py`) where `mosaic_chains` says (Hopper, jax >= 0.11);
   tpu -> `lwm_jax.ops.wkv7.pallas_tpu.op.wkv7_tpu` (Pallas/Mosaic TPU);
   cpu -> the GPU kernels in the Pallas interpreter (tests; slow).
 
