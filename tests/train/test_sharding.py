@@ -57,10 +57,12 @@ def test_optimizer_state_follows_parameter_shardings():
 # The run every test below trains, on one device (the `reference`), on each 8-device mesh, and
 # split across two meshes (2 steps saved, 2 resumed): the same losses and parameters everywhere.
 # One run for all, so that the tests share its single-device baseline and compiled programs.
+# Its records are read from metrics.jsonl only: without the TensorBoard tracker a driver process
+# does not import tensorboardX, which imports torch (~1 s a process).
 STEPS = 4
 RUN = ["model.n_layer=2", "model.n_embd=128", "train.ctx_len=32", "train.batch_size=8",
        f"train.steps={STEPS}", "train.warmup_steps=0", "train.lr=1e-3", "train.log_every=1",
-       "train.eval_every=0", "checkpoint.async=false",
+       "train.eval_every=0", "checkpoint.async=false", "logging.trackers=[jsonl]",
        "train.loss_chunk=64"]  # 4 chunks of the fused loss: its layout meets the mesh
 
 DRIVER = textwrap.dedent(r"""
