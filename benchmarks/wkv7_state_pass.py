@@ -6,11 +6,12 @@ launches they would replace: same maps, same process, same timer (`wkv7.py`'s `b
 
 Maps: the Triton chunk launch (`launches.intra_fwd`) on RWKV-7-like random bf16 inputs
 (`testing.random_wkv7_inputs`); M and Q split into bf16 hi / lo by XLA here (what the chunk
-launch would write for the Mosaic chains). Accuracy: every chunk state (forward) and every
+launch writes for the Mosaic chains). Accuracy: every chunk state (forward) and every
 end-state cotangent (backward) against the same chains in float64 NumPy on the same float32
-maps, `||x - ref|| / ||ref||` over all chunks, for both backends. Timing: median ms of one
-launch (`states only` for the Triton forward, as the training step runs it when it splits the
-outputs off; the Mosaic chain always writes states only). One JSON line per result.
+maps (`testing.chunk_chains_f64`), `||x - ref|| / ||ref||` over all chunks, for both
+backends. Timing: median ms of one launch (states only for the Triton forward, as the training
+step runs it when it splits the outputs off; the Mosaic chain always writes states only). One
+JSON line per result.
 """
 from __future__ import annotations
 
@@ -29,27 +30,6 @@ SHAPES = "8,4096,12;4,4096,32;1,32768,32;16,2048,32;2,4096,32"
 C = 32
 
 
-def chains_f64(M, D, Q, do, s0, H):
-    """The forward states and backward cotangents in float64 (NumPy), from float32 maps; `s0`
-    is both the start state and the final state's cotangent (as the timed launches take it)."""
-    M, D, Q = (np.asarray(x, np.float64) for x in (M, D, Q))
-    BH, NT = M.shape[:2]
-    B = BH // H
-    do = np.asarray(np.asarray(do, np.float32), np.float64)
-    do = do.reshape(B, NT, C, H, 64).transpose(0, 3, 1, 2, 4).reshape(BH, NT, C, 64)
-    S = np.asarray(s0, np.float64).reshape(BH, 64, 64)
-    states = np.empty_like(D)
-    for c in range(NT):
-        states[:, c] = S
-        S = M[:, c] @ S + D[:, c]
-    g = np.asarray(s0, np.float64).reshape(BH, 64, 64)   # the end state's cotangent
-    dS = np.empty_like(D)
-    for c in range(NT - 1, -1, -1):
-        dS[:, c] = g
-        g = np.swapaxes(M[:, c], 1, 2) @ g + np.swapaxes(Q[:, c], 1, 2) @ do[:, c]
-    return states, dS
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=SHAPES, help="B,T,H;... (K = V = 64)")
@@ -61,14 +41,11 @@ def main(argv=None):
     import jax.numpy as jnp
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
     from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
-    from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
+    from lwm_jax.ops.wkv7.testing import chunk_chains_f64, random_wkv7_inputs
+    from lwm_jax.ops.wkv7.tile_dots import split_bf16
     from lwm_jax.ops.wkv7.mosaic_gpu import state_pass as sp
     emit(case="env", jax=jax.__version__, device=str(jax.devices()[0].device_kind))
     prec = jax.lax.Precision.DEFAULT
-
-    def split(x):
-        hi = x.astype(jnp.bfloat16)
-        return hi, (x - hi.astype(jnp.float32)).astype(jnp.bfloat16)
 
     def maps(B, T, H, seed=3):
         xs = random_wkv7_inputs(jax.random.PRNGKey(seed), B, T, H, 64, 64, jnp.bfloat16)
@@ -78,7 +55,7 @@ def main(argv=None):
                   interpret=False)
         M, Dm, Q, O0 = jax.jit(lambda xs: gk.intra_fwd(*xs, None, want_inv=False, **kw))(xs)
         return dict(M=M, D=Dm, Q=Q, O0=O0, do=do, s0=s0, kw=kw,
-                    mh=split(M), qh=split(Q))
+                    mh=split_bf16(M), qh=split_bf16(Q))
 
     def triton_fwd(p):
         kw = p["kw"]
@@ -100,7 +77,9 @@ def main(argv=None):
 
     B, T, H = (int(x) for x in args.check_shape.split(","))
     p = maps(B, T, H)
-    ref_states, ref_dS = chains_f64(p["M"], p["D"], p["Q"], p["do"], p["s0"], H)
+    # s0 is both the start state and the final state's cotangent, as the timed launches take it
+    ref_states, _, ref_dS, _ = chunk_chains_f64(p["M"], p["D"], p["Q"], p["do"], p["s0"],
+                                                p["s0"], H)
     rel = lambda x, r: float(np.linalg.norm(np.asarray(x, np.float64) - r)  # noqa: E731
                              / np.linalg.norm(r))
     for name, run in (("triton", lambda: (triton_fwd(p), triton_bwd(p))),

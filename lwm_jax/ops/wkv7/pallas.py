@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from lwm_jax.hardware import platform_of
-from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, Chains, wkv7_gpu
+from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, Chains, launch_choices, wkv7_gpu
 from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
 
 __all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu", "Tuning",
@@ -92,10 +92,7 @@ def mosaic_chains(r, v, chunk_size, output_dtype, precision, tuning, interpret) 
     if want == "triton" or r.ndim != 4 or not isinstance(chunk_size, int):
         return None  # (malformed inputs get wkv7_gpu's one-line errors)
     B, T, H, K = r.shape
-    C = min(chunk_size, max(16, 1 << (T - 1).bit_length()))
-    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
-    if precision is None:
-        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
+    C, out_dtype, precision = launch_choices(r, v, chunk_size, output_dtype, precision)
     why = None
     if interpret:
         why = "do not run in the Pallas interpreter (CPU)"

@@ -95,3 +95,29 @@ def random_segment_ids(seed: int, B: int, T: int, max_docs: int = 4) -> np.ndarr
         for c in cuts:
             ids[row, c:] += 1
     return ids
+
+
+def chunk_chains_f64(M, D, Q, do, s0, dsT, H: int):
+    """The GPU kernel's chunk chains in float64 (NumPy) from its float32 maps: the start state
+    of every chunk (`S <- M S + D` from s0) and the cotangent of every chunk's end state
+    (`dS <- M^T dS + Q^T dO` from dsT, in reverse).
+
+    M [BH, NT, K, K], D [BH, NT, K, V], Q [BH, NT, C, K]; do [B, NT * C, H, V]; s0, dsT
+    [B, H, K, V]. Returns `(states, dS_end)`, each [BH, NT, K, V], and the final state and
+    d(initial state) [BH, K, V]: `(states, S_T, dS_end, dS_0)`."""
+    M, D, Q = (np.asarray(x, np.float64) for x in (M, D, Q))
+    BH, NT, C = Q.shape[:3]
+    B, V = BH // H, D.shape[-1]
+    dO = np.asarray(np.asarray(do, np.float32), np.float64)
+    dO = dO.reshape(B, NT, C, H, V).transpose(0, 3, 1, 2, 4).reshape(BH, NT, C, V)
+    S = np.asarray(np.asarray(s0, np.float32), np.float64).reshape(BH, -1, V)
+    states = np.empty_like(D)
+    for c in range(NT):
+        states[:, c] = S
+        S = M[:, c] @ S + D[:, c]
+    g = np.asarray(np.asarray(dsT, np.float32), np.float64).reshape(BH, -1, V)
+    dS = np.empty_like(D)
+    for c in range(NT - 1, -1, -1):
+        dS[:, c] = g
+        g = M[:, c].transpose(0, 2, 1) @ g + Q[:, c].transpose(0, 2, 1) @ dO[:, c]
+    return states, S, dS, g

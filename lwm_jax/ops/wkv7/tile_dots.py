@@ -1,4 +1,5 @@
-"""2-D tile products with float32 accumulation, shared by the GPU and TPU kernels' tile math.
+"""2-D tile products with float32 accumulation, and the bf16 hi / lo split of their operands,
+shared by the GPU and TPU kernels' tile math.
 
 `precision` is anything `jax.lax.dot_general` takes (a `jax.lax.Precision` or a
 `DotAlgorithmPreset`). A leaf: imports nothing of `lwm_jax`.
@@ -9,6 +10,13 @@ import jax
 import jax.numpy as jnp
 
 _F32 = jnp.float32
+
+
+def split_bf16(x):
+    """float32 -> `(hi, lo)` bfloat16 with x ~= hi + lo (16 significant bits): the operand form
+    of the "bf16x3" products (hi*hi + hi*lo + lo*hi accumulated in float32)."""
+    hi = x.astype(jnp.bfloat16)
+    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
 
 
 def _dot(x, y, contract, precision):

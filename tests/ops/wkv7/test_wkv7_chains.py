@@ -16,7 +16,8 @@ from jax import lax
 
 from lwm_jax.ops.wkv7.pallas import Tuning, mosaic_chains, wkv7_pallas
 from lwm_jax.ops.wkv7.pallas_gpu.op import Chains, wkv7_gpu
-from lwm_jax.ops.wkv7.testing import random_wkv7_inputs, rel_err, wkv7_reference_vjp_f64
+from lwm_jax.ops.wkv7.testing import (chunk_chains_f64, random_wkv7_inputs, rel_err,
+                                      wkv7_reference_vjp_f64)
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
@@ -78,6 +79,27 @@ def _vjp(fn, xs, s0, do, dsT):
     (o, sT), pull = jax.vjp(fn, xs, s0)
     gxs, gs0 = pull((do, dsT))
     return [o, sT, *gxs, gs0]
+
+
+def test_standins_agree_with_the_float64_chains():
+    """The float32 stand-ins (used below) and `testing.chunk_chains_f64` (the GPU test's
+    reference) compute the same chains: random maps (M near a contraction, as decays give),
+    states and cotangents within 1e-5 of float64."""
+    B, H, NT = 2, 3, 5
+    ks = jax.random.split(jax.random.PRNGKey(7), 6)
+    M = 0.9 * jnp.eye(64) + 0.02 * jax.random.normal(ks[0], (B * H, NT, 64, 64))
+    D = jax.random.normal(ks[1], (B * H, NT, 64, 64))
+    Q = jax.random.normal(ks[2], (B * H, NT, C, 64))
+    do = jax.random.normal(ks[3], (B, NT * C, H, 64), jnp.bfloat16)
+    s0, dsT = (jax.random.normal(k, (B, H, 64, 64)) for k in ks[4:])
+    calls = []
+    pair = lambda x: (x, jnp.zeros_like(x))  # noqa: E731  (exact: the maps as the hi part)
+    states, sT = _forward_standin(calls)(*pair(M), D, s0)
+    dS, ds0 = _backward_standin(calls)(*pair(M), *pair(Q), do, dsT, H=H)
+    want = chunk_chains_f64(M, D, Q, do, s0, dsT, H)
+    got = (states, sT.reshape(B * H, 64, 64), dS, ds0.reshape(B * H, 64, 64))
+    errs = [rel_err(x, y) for x, y in zip(got, want)]
+    assert max(errs) < 1e-5, errs
 
 
 def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
@@ -150,17 +172,8 @@ def test_mosaic_chains_match_float64_chains():
     states, sT = sp.forward_states(M_hi, M_lo, D, s0)
     dS, ds0 = sp.backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
     f64 = lambda x: np.asarray(jnp.asarray(x, _F32), np.float64)  # noqa: E731
-    M, Q, D = f64(_pair(M_hi, M_lo)), f64(_pair(Q_hi, Q_lo)), f64(D)
-    NT = T // C
-    dO = f64(do).reshape(B, NT, C, H, 64).transpose(0, 3, 1, 2, 4).reshape(B * H, NT, C, 64)
-    S, want_states = f64(s0).reshape(B * H, 64, 64), np.empty_like(D)
-    for c in range(NT):
-        want_states[:, c] = S
-        S = M[:, c] @ S + D[:, c]
-    g, want_dS = f64(dsT).reshape(B * H, 64, 64), np.empty_like(D)
-    for c in range(NT - 1, -1, -1):
-        want_dS[:, c] = g
-        g = M[:, c].transpose(0, 2, 1) @ g + Q[:, c].transpose(0, 2, 1) @ dO[:, c]
+    want_states, S, want_dS, g = chunk_chains_f64(f64(_pair(M_hi, M_lo)), D,
+                                                  f64(_pair(Q_hi, Q_lo)), do, s0, dsT, H)
     errs = {"states": rel_err(states, want_states), "final": rel_err(sT, S.reshape(sT.shape)),
             "dS": rel_err(dS, want_dS), "ds0": rel_err(ds0, g.reshape(ds0.shape))}
     assert max(errs.values()) < 2e-5, errs

@@ -51,6 +51,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from lwm_jax.ops.wkv7.tile_dots import split_bf16
+
 try:
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -82,10 +84,7 @@ def _load(ref):
     return plgpu.load(ref, layout=_WG, optimized=False)
 
 
-def _split(x):
-    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo."""
-    hi = x.astype(_BF16)
-    return hi, (x - hi.astype(_F32)).astype(_BF16)
+_split = split_bf16    # float32 register tile -> (hi, lo) bfloat16
 
 
 def _put(x, hi_ref, lo_ref):

@@ -52,6 +52,23 @@ def _state_out(x, stage, slot, dst):
     plgpu.copy_smem_to_gmem(stage.at[slot], dst)
 
 
+def _value_in(src, stage, bar):
+    """The chain's start value [64, 64] float32 from HBM `src`, through staging tile 1."""
+    plgpu.copy_gmem_to_smem(src, stage.at[1], bar)
+    plgpu.barrier_wait(bar)
+    return _load(stage.at[1])
+
+
+def _value_out(x, stage, dst):
+    """The chain's last value to HBM `dst` through staging tile 0, once every earlier store
+    has left; returns when it has."""
+    plgpu.wait_smem_to_gmem(0)
+    stage.at[0][...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage.at[0], dst)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _forward_kernel(BH, NT, H):
     def body(mh_ref, ml_ref, d_ref, s0_ref, st_ref, sT_ref,
              mh, ml, ds, s_hi, s_lo, stage, load_bar, s0_bar):
@@ -67,9 +84,7 @@ def _forward_kernel(BH, NT, H):
 
         for c in range(min(_STAGES - 1, NT)):
             issue(c)
-        plgpu.copy_gmem_to_smem(s0_ref.at[bi, hi], stage.at[1], s0_bar)
-        plgpu.barrier_wait(s0_bar)
-        s_init = _load(stage.at[1])
+        s_init = _value_in(s0_ref.at[bi, hi], stage, s0_bar)
 
         def chunk(c, s):
             slot = c % _STAGES
@@ -89,12 +104,7 @@ def _forward_kernel(BH, NT, H):
             s_lo[...] = lo_
             return chunk(c, s)
 
-        s_end = lax.fori_loop(0, NT, step, s_init)
-        plgpu.wait_smem_to_gmem(0)
-        stage.at[0][...] = s_end
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage.at[0], sT_ref.at[bi, hi])
-        plgpu.wait_smem_to_gmem(0)
+        _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
 
     tiles = (_swizzled((_STAGES,) + _SHAPE), _swizzled((_STAGES,) + _SHAPE),   # M hi / lo
              _swizzled((_STAGES,) + _SHAPE, _F32))                              # D
@@ -143,9 +153,7 @@ def _backward_kernel(BH, NT, H):
         plgpu.commit_smem()
         for i in range(min(_STAGES - 1, NT)):
             issue(i)
-        plgpu.copy_gmem_to_smem(dsT_ref.at[bi, hi], stage.at[1], s0_bar)
-        plgpu.barrier_wait(s0_bar)
-        g_init = _load(stage.at[1])
+        g_init = _value_in(dsT_ref.at[bi, hi], stage, s0_bar)
 
         def step(i, g):
             c = NT - 1 - i
@@ -164,12 +172,7 @@ def _backward_kernel(BH, NT, H):
             return _mm([(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
                         (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])])
 
-        g0 = lax.fori_loop(0, NT, step, g_init)
-        plgpu.wait_smem_to_gmem(0)
-        stage.at[0][...] = g0
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage.at[0], ds0_ref.at[bi, hi])
-        plgpu.wait_smem_to_gmem(0)
+        _value_out(lax.fori_loop(0, NT, step, g_init), stage, ds0_ref.at[bi, hi])
 
     # M hi / lo, [0; Q] hi / lo, [0; dO]
     tiles = tuple(_swizzled((_STAGES,) + _SHAPE) for _ in range(5))

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from lwm_jax.ops.wkv7.pallas_gpu import tiles, tiles_bwd_stacked
-from lwm_jax.ops.wkv7.tile_dots import mm, mm_tn
+from lwm_jax.ops.wkv7.tile_dots import mm, mm_tn, split_bf16
 
 _F32 = jnp.float32
 _SQ = pl.squeezed
@@ -146,17 +146,10 @@ def _io(in_names, in_refs, out_names, out_refs):
     return ld, st
 
 
-def split_bf16(x):
-    """float32 -> (hi, lo) bfloat16 with x ~= hi + lo (16 significant bits): the operand form
-    of the Mosaic GPU chunk chains (`mosaic_gpu/state_pass.py`)."""
-    hi = x.astype(jnp.bfloat16)
-    return hi, (x - hi.astype(_F32)).astype(jnp.bfloat16)
-
-
 def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret,
               split_mq=False):
     """Chunk maps `(M, D, Q, O0[, inv])`, float32. With `split_mq` M and Q are each written as
-    a bfloat16 pair (`split_bf16`, same bytes as float32): `(M_hi, M_lo, D, Q_hi, Q_lo, O0
+    a bfloat16 pair (`tile_dots.split_bf16`, same bytes as float32): `(M_hi, M_lo, D, Q_hi, Q_lo, O0
     [, inv])`, the inputs of the Mosaic GPU chunk chains."""
     B, Tp, _, K = r.shape
     V = v.shape[-1]
@@ -253,7 +246,8 @@ def seq_fwd(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interp
 
 def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
     """Chunk-parallel outputs o = Q S0 + O0 -> [B, Tp, H, V] (used with `tune.split_out` and
-    after the Mosaic GPU chains). `Q` is float32 or a `split_bf16` pair (hi, lo), summed."""
+    after the Mosaic GPU chains). `Q` is float32 or a `tile_dots.split_bf16` pair (hi, lo),
+    summed."""
     BH, NT, K, V = states.shape
     B = BH // H
     qs = tuple(Q) if isinstance(Q, (tuple, list)) else (Q,)

@@ -40,7 +40,7 @@ class Chains(NamedTuple):
     ones (`mosaic_gpu/state_pass.py`), passed in by `lwm_jax.ops.wkv7.pallas` because kernel
     packages import no other kernel package. `forward(M_hi, M_lo, D, s0) -> (states, final)`,
     `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H) -> (dS_end, d_s0)`, with M and Q as
-    `launches.split_bf16` pairs, K = V = 64, C = 32 and `do` bfloat16 (the caller checks).
+    `tile_dots.split_bf16` pairs, K = V = 64, C = 32 and `do` bfloat16 (the caller checks).
     Where the gradient is taken both chains run; `primal`: forward-only calls run the forward
     chain too (else the Triton launches, which need no chunk states there)."""
     forward: Callable
@@ -102,8 +102,7 @@ def _core_bwd(cfg, res, cts):
     do, dsT = cts
     kw = _kw(cfg)
     if cfg.chains is not None:
-        dS_end, ds0 = cfg.chains.backward(*M, *Q, do.astype(jnp.bfloat16),
-                                          dsT.astype(jnp.float32), H=cfg.H)
+        dS_end, ds0 = cfg.chains.backward(*M, *Q, do, dsT.astype(jnp.float32), H=cfg.H)
     else:
         dS_end, ds0 = launches.seq_bwd(M, Q, do, dsT.astype(jnp.float32), **kw)
     grads = launches.intra_bwd(r, w, k, v, a, b, n, inv, states, dS_end, do, **kw)
@@ -136,20 +135,28 @@ def validate(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dt
         raise TypeError(f"output_dtype must be float32, bfloat16 or float16, got {output_dtype}")
 
 
+def launch_choices(r, v, chunk_size, output_dtype, precision):
+    """`(C, output dtype, precision name)` a call runs with: the chunk lowered to the next power
+    of two >= T (>= 16) for short T, v's dtype for a None output, and for a None precision
+    "highest" with float32 inputs, else "default" (TF32)."""
+    T = r.shape[1]
+    if precision is None:
+        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
+    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
+    return min(chunk_size, max(16, 1 << (T - 1).bit_length())), out_dtype, precision
+
+
 def prepare(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dtype, precision,
             interpret, tuning, chains=None):
     """What every GPU entry point does after `validate`: T padded to a multiple of the chunk C
     (padded steps: w = 0, everything else 0, leave the state unchanged), the float32 start
     state, the per-chunk reset counter and the launch config. Returns `((r, w, k, v, a, b)
     padded to [B, Tp, H, *], s0 [B, H, K, V] float32, n or None, _Cfg)`."""
-    if precision is None:
-        precision = "highest" if jnp.dtype(r.dtype) == jnp.float32 else "default"
+    C, out_dtype, precision = launch_choices(r, v, chunk_size, output_dtype, precision)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
     B, T, H, K = r.shape
     V = v.shape[-1]
-    out_dtype = jnp.dtype(v.dtype if output_dtype is None else output_dtype)
-    C = min(chunk_size, max(16, 1 << (T - 1).bit_length()))
     T_pad = -(-T // C) * C
     if T_pad != T:
         pad = lambda x: jnp.pad(x, ((0, 0), (0, T_pad - T), (0, 0), (0, 0)))  # noqa: E731
