@@ -36,6 +36,7 @@ ON_GPU = jax.default_backend() == "gpu"
 # A file belongs here when its results could differ on a GPU; TPU-interpreter tests do not.
 GPU_PATH_FILES = (
     "tests/ops/wkv7/test_wkv7_pallas.py", "tests/ops/wkv7/test_wkv7_pallas_pair.py",
+    "tests/ops/wkv7/test_wkv7_chains.py",
     "tests/ops/wkv7/test_wkv7_ops.py", "tests/ops/wkv7/test_wkv7_aligned_keys.py",
     "tests/ops/wkv7/test_wkv7_limits.py", "tests/ops/wkv7/test_wkv_precision.py",
     "tests/ops/test_xent.py", "tests/ops/test_layer_norm.py", "tests/ops/test_group_norm.py",
