@@ -9,9 +9,11 @@ Maps: the Triton chunk launch (`launches.intra_fwd`) on RWKV-7-like random bf16 
 launch writes for the Mosaic chains). Accuracy: every chunk state (forward) and every
 end-state cotangent (backward) against the same chains in float64 NumPy on the same float32
 maps (`testing.chunk_chains_f64`), `||x - ref|| / ||ref||` over all chunks, for both
-backends. Timing: median ms of one launch (states only for the Triton forward, as the training
-step runs it when it splits the outputs off; the Mosaic chain always writes states only). One
-JSON line per result.
+backends; the outputs o = Q S + O0 (bf16) of the forward that writes them against the same in
+float64. Timing: median ms of one launch: the forward chains writing the chunk states (what
+the gradient needs), the forward writing the outputs (Triton as the op runs it by default:
+`seq_fwd` with outputs, or states then `out_fwd`; Mosaic: `forward_outputs`), the backward
+chains. One JSON line per result.
 """
 from __future__ import annotations
 
@@ -71,6 +73,23 @@ def main(argv=None):
     def mosaic_fwd(p):
         return sp.forward_states, (*p["mh"], p["D"], p["s0"])
 
+    def triton_out(p, B, H):
+        """seq_fwd as the op runs it by default (outputs, or states then `out_fwd`)."""
+        kw = dict(p["kw"], tune=resolve(None, C, B * H, 64))
+
+        def f(M, Dm, Q, O0, s0):
+            o, sT, *st = gk.seq_fwd(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16, want_states=False,
+                                    **kw)
+            if o is None:
+                o = gk.out_fwd(Q, O0, st[0], out_dtype=jnp.bfloat16, **kw)
+            return o, sT
+        return jax.jit(f), (p["M"], p["D"], p["Q"], p["O0"], p["s0"])
+
+    def mosaic_out(p, H):
+        f = jax.jit(lambda mh, ml, d, qh, ql, o0t, s0: sp.forward_outputs(
+            mh, ml, d, qh, ql, o0t, s0, H=H))
+        return f, (*p["mh"], p["D"], *p["qh"], jnp.swapaxes(p["O0"], -1, -2), p["s0"])
+
     def mosaic_bwd(p, H):
         f = jax.jit(lambda mh, ml, qh, ql, do, s: sp.backward_states(mh, ml, qh, ql, do, s, H=H))
         return f, (*p["mh"], *p["qh"], p["do"], p["s0"])
@@ -78,7 +97,7 @@ def main(argv=None):
     B, T, H = (int(x) for x in args.check_shape.split(","))
     p = maps(B, T, H)
     # s0 is both the start state and the final state's cotangent, as the timed launches take it
-    ref_states, _, ref_dS, _ = chunk_chains_f64(p["M"], p["D"], p["Q"], p["do"], p["s0"],
+    ref_states, ref_final, ref_dS, _ = chunk_chains_f64(p["M"], p["D"], p["Q"], p["do"], p["s0"],
                                                 p["s0"], H)
     rel = lambda x, r: float(np.linalg.norm(np.asarray(x, np.float64) - r)  # noqa: E731
                              / np.linalg.norm(r))
@@ -94,6 +113,21 @@ def main(argv=None):
                  dS_end0_nonzero=bool(np.abs(np.asarray(dS[:, 0])).max() > 0))
         except Exception as e:  # keep going: the other backend's figures still count
             emit(case="check-error", backend=name, error=repr(e)[:1500])
+    # outputs o = Q S + O0 per chunk from the float64 states, as [B, T, H, V]
+    ref_o = np.einsum("ncik,nckv->nciv",
+                      np.asarray(p["Q"], np.float64), ref_states) + np.asarray(p["O0"], np.float64)
+    NT = T // C
+    ref_o = ref_o.reshape(B, H, NT * C, 64).transpose(0, 2, 1, 3)
+    for name, run in (("triton-out", lambda: triton_out(p, B, H)),
+                      ("mosaic-out", lambda: mosaic_out(p, H))):
+        try:
+            f, a = run()
+            o, sT = f(*a)
+            emit(case="check-out", backend=name, B=B, T=T, H=H,
+                 o_err=rel(np.asarray(o.astype(jnp.float32)), ref_o),
+                 final_err=rel(sT, ref_final.reshape(sT.shape)))
+        except Exception as e:
+            emit(case="check-error", backend=name, error=repr(e)[:1500])
     if args.check_only:
         return
     for shape in args.shapes.split(";"):
@@ -101,6 +135,8 @@ def main(argv=None):
         p = maps(B, T, H)
         for name, fn in (("triton-seq_fwd", lambda: triton_fwd(p)),
                          ("mosaic-seq_fwd", lambda: mosaic_fwd(p)),
+                         ("triton-seq_fwd-default", lambda: triton_out(p, B, H)),
+                         ("mosaic-seq_fwd-out", lambda: mosaic_out(p, H)),
                          ("triton-seq_bwd", lambda: triton_bwd(p)),
                          ("mosaic-seq_bwd", lambda: mosaic_bwd(p, H))):
             try:

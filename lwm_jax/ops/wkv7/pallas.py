@@ -43,32 +43,29 @@ import jax.numpy as jnp
 
 from lwm_jax.hardware import platform_of
 from lwm_jax.ops.wkv7.pallas_gpu.op import PRECISIONS, Chains, launch_choices, wkv7_gpu
-from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning, resolve
+from lwm_jax.ops.wkv7.pallas_gpu.launches import Tuning
 
 __all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu", "Tuning",
            "PRECISIONS", "mosaic_chains"]
 
 # Where the gradient is taken both Mosaic chains run (fwd+bwd 4-11% faster than the Triton
 # launches at the four anchor shapes, 32-512 heads: their forward writes the chunk states the
-# backward needs). Forward-only calls run the Mosaic forward chain from this many heads
-# (B * H) on and only where the Triton forward writes its outputs in a launch of their own
-# (`Tuning.split_out`): there the chain alone took 0.16-0.42 ms against Triton's states-only
-# 0.19-0.51 ms at 64-512 heads, but 1.30 against 1.20 ms at 32 heads (Triton splits the value
-# columns over four times as many programs), and where Triton's chain writes the outputs itself
-# (many heads) the chain plus the output launch was slower (2.65 vs 2.39 ms at 512 heads).
-# H200, 2026-11-28 (`benchmarks/wkv7_state_pass.py`, `benchmarks/wkv7.py speed`).
-MOSAIC_PRIMAL_MIN_HEADS = 64
+# backward needs). Forward-only calls run the Mosaic forward chain that writes the outputs
+# from this many heads (B * H) on: 0.18-1.56 ms against the Triton forward's 0.29-1.69 ms at
+# 32-512 heads (H200, 2026-11-28, `benchmarks/wkv7_state_pass.py`); fewer heads are unmeasured.
+MOSAIC_PRIMAL_MIN_HEADS = 32
 
 
 @functools.cache
 def _load_mosaic_chains():
-    """`(forward_states, backward_states)` of `mosaic_gpu/state_pass.py`, or None where the
-    package does not import (jax < 0.11 or no Mosaic GPU in this jax build)."""
+    """`(forward_states, backward_states, forward_outputs)` of `mosaic_gpu/state_pass.py`, or
+    None where the package does not import (jax < 0.11 or no Mosaic GPU in this jax build)."""
     try:
-        from lwm_jax.ops.wkv7.mosaic_gpu.state_pass import backward_states, forward_states
+        from lwm_jax.ops.wkv7.mosaic_gpu.state_pass import (backward_states, forward_outputs,
+                                                            forward_states)
     except ImportError:
         return None
-    return forward_states, backward_states
+    return forward_states, backward_states, forward_outputs
 
 
 def _is_hopper() -> bool:
@@ -84,7 +81,8 @@ def mosaic_chains(r, v, chunk_size, output_dtype, precision, tuning, interpret) 
     (wgmma, TMA), jax with Mosaic GPU, K = 64 and V a multiple of 64, 32-token chunks (after
     the lowering for short T), TF32 precision ("default" / "high") and a bfloat16 output (the
     backward chain takes the output cotangent as a bf16 operand). With the gradient both
-    chains run; forward-only calls as `MOSAIC_PRIMAL_MIN_HEADS` says (`Chains.primal`).
+    chains run; forward-only calls as `MOSAIC_PRIMAL_MIN_HEADS` says (`Chains.primal`; with
+    "mosaic" always).
     """
     want = (tuning.chains if tuning is not None else None)
     if want not in (None, "triton", "mosaic"):
@@ -113,10 +111,8 @@ def mosaic_chains(r, v, chunk_size, output_dtype, precision, tuning, interpret) 
             raise ValueError(f"Tuning.chains='mosaic': the Mosaic GPU chains {why}; use "
                              "chains=None or 'triton'")
         return None
-    forward, backward = _load_mosaic_chains()
-    tune = resolve(tuning, C, B * H, 64)
-    return Chains(forward, backward,
-                  primal=bool(tune.split_out) and B * H >= MOSAIC_PRIMAL_MIN_HEADS)
+    return Chains(*_load_mosaic_chains(),
+                  primal=want == "mosaic" or B * H >= MOSAIC_PRIMAL_MIN_HEADS)
 
 
 def _defaults(chunk_size, interpret, platform):

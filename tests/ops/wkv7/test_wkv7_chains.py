@@ -21,6 +21,14 @@ from lwm_jax.ops.wkv7.testing import (chunk_chains_f64, random_wkv7_inputs, rel_
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
+# The wiring tests compare float32 stand-ins with the interpreted Triton path, both exact.
+_EXACT = "highest"
+# They need XLA:CPU: on a GPU, XLA compiles the interpreted chunk launch's bf16 hi / lo split
+# with the float32 -> bfloat16 -> float32 round trip dropped as excess precision
+# (`xla_allow_excess_precision`), so every lo half is zero (measured: outputs 1e-3 apart). The
+# compiled kernels split inside Triton / Mosaic, where XLA cannot do that.
+_needs_xla_cpu = pytest.mark.skipif(jax.default_backend() == "gpu",
+                                    reason="XLA:GPU drops the interpreter's bf16 lo halves")
 C = 32
 
 
@@ -65,6 +73,23 @@ def _backward_standin(calls):
     return backward
 
 
+def _forward_out_standin(calls):
+    """The forward chain that writes the outputs: o = Q S + O0 per chunk, from the same
+    states as `_forward_standin`, O0 taken transposed as the chunk launch writes it."""
+    forward = _forward_standin([])
+
+    def forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, *, H):
+        calls.append("forward_out")
+        states, sT = forward(M_hi, M_lo, D, s0)
+        o = (jnp.einsum("nclk,nckv->nclv",
+                        _pair(Q_hi, Q_lo), states, precision=_HI) + O0_t.swapaxes(-1, -2))
+        BH, NT, Cc, V = o.shape
+        B = BH // H
+        o = o.reshape(B, H, NT * Cc, V).transpose(0, 2, 1, 3).astype(jnp.bfloat16)
+        return o, sT
+    return forward_out
+
+
 def _problem(seed, B, T, H, V):
     xs = random_wkv7_inputs(jax.random.PRNGKey(seed), B, T, H, 64, V, jnp.bfloat16)
     ks = jax.random.split(jax.random.PRNGKey(seed + 1), 3)
@@ -102,30 +127,39 @@ def test_standins_agree_with_the_float64_chains():
     assert max(errs) < 1e-5, errs
 
 
+def _chains(calls, primal):
+    return Chains(_forward_standin(calls), _backward_standin(calls),
+                  _forward_out_standin(calls), primal=primal)
+
+
+@_needs_xla_cpu
 def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
     """Interpreter, bf16 inputs, documents, an initial state, ragged T and V = 128 (two value
     blocks): with the chains in place of the sequential launches every output and gradient
-    equals the Triton path's to the bf16 pairs' 16 bits (1e-4 relative), and both chains ran."""
+    equals the Triton path's to the bf16 pairs' 16 bits (1e-4 relative), and both chains ran
+    (the forward one writing the chunk states for the backward)."""
     xs, s0, seg, do, dsT = _problem(0, 2, 83, 2, 128)
     calls = []
-    chains = Chains(_forward_standin(calls), _backward_standin(calls), primal=True)
     run = lambda ch: _vjp(lambda xs, s0: wkv7_gpu(*xs, s0, seg, 32, interpret=True,  # noqa: E731
-                                                  chains=ch), xs, s0, do, dsT)
-    got, want = run(chains), run(None)
-    assert "forward" in calls and "backward" in calls
+                                                  precision=_EXACT, chains=ch), xs, s0, do, dsT)
+    got, want = run(_chains(calls, True)), run(None)
+    assert sorted(set(calls)) == ["backward", "forward"]
     diffs = [rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, want)]
     assert max(diffs) < 1e-4, diffs
 
 
-def test_forward_only_calls_run_the_chain_only_when_primal():
-    xs, s0, seg, _, _ = _problem(1, 2, 64, 1, 64)
-    ref, _ = wkv7_gpu(*xs, s0, seg, 32, interpret=True)
-    for primal, expect in ((False, []), (True, ["forward"])):
+@_needs_xla_cpu
+def test_forward_only_calls_run_the_output_chain_only_when_primal():
+    """Forward-only calls: the chain that writes the outputs (transposed O0 from the chunk
+    launch) where `primal`, else the Triton launches; same outputs and final state."""
+    xs, s0, seg, _, _ = _problem(1, 2, 83, 2, 128)
+    ref = wkv7_gpu(*xs, s0, seg, 32, interpret=True, precision=_EXACT)
+    for primal, expect in ((False, []), (True, ["forward_out"] * 2)):   # two value blocks
         calls = []
-        chains = Chains(_forward_standin(calls), _backward_standin(calls), primal=primal)
-        o, _ = wkv7_gpu(*xs, s0, seg, 32, interpret=True, chains=chains)
+        got = wkv7_gpu(*xs, s0, seg, 32, interpret=True, precision=_EXACT,
+                       chains=_chains(calls, primal))
         assert calls == expect
-        assert rel_err(o.astype(_F32), ref.astype(_F32)) < 1e-4
+        assert max(rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, ref)) < 1e-4
 
 
 def test_the_rule_keeps_triton_where_the_chains_cannot_run():
@@ -177,6 +211,16 @@ def test_mosaic_chains_match_float64_chains():
     errs = {"states": rel_err(states, want_states), "final": rel_err(sT, S.reshape(sT.shape)),
             "dS": rel_err(dS, want_dS), "ds0": rel_err(ds0, g.reshape(ds0.shape))}
     assert max(errs.values()) < 2e-5, errs
+    # the chain that writes the outputs: the same final state, o within its bf16 rounding
+    M_hi, M_lo, D, Q_hi, Q_lo, O0_t = launches.intra_fwd(*xs, None, want_inv=False,
+                                                         split_mq=True, o0_t=True, **kw)
+    o, sT_o = sp.forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H)
+    want_o = (np.einsum("nclk,nckv->nclv", f64(_pair(Q_hi, Q_lo)), want_states)
+              + f64(O0_t).swapaxes(-1, -2))
+    want_o = want_o.reshape(B, H, T, 64).transpose(0, 2, 1, 3)
+    rounding = rel_err(jnp.asarray(want_o, jnp.bfloat16).astype(_F32), want_o)
+    errs_o = {"final": rel_err(sT_o, S.reshape(sT.shape)), "o": rel_err(o.astype(_F32), want_o)}
+    assert errs_o["final"] < 2e-5 and errs_o["o"] < 1.05 * rounding + 1e-5, (errs_o, rounding)
 
 
 @pytest.mark.gpu
@@ -194,5 +238,9 @@ def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V):
         fn = lambda xs, s0: wkv7_pallas(*xs, s0, seg, 32, tuning=Tuning(chains=chains))  # noqa
         errs[chains] = [rel_err(x.astype(_F32), r) for x, r in zip(_vjp(fn, xs, s0, do, dsT),
                                                                    refs)]
-    assert max(errs["mosaic"]) < 5e-3, errs
-    assert all(m <= 1.02 * t + 1e-6 for m, t in zip(errs["mosaic"], errs["triton"])), errs
+        o, sT = fn(xs, s0)   # forward-only ("mosaic": the chain writing the outputs)
+        errs[chains + " fwd"] = [rel_err(o.astype(_F32), ref_o), rel_err(sT, ref_s)]
+    for suffix in ("", " fwd"):
+        got, base = errs["mosaic" + suffix], errs["triton" + suffix]
+        assert max(got) < 5e-3, errs
+        assert all(m <= 1.02 * t + 1e-6 for m, t in zip(got, base)), errs

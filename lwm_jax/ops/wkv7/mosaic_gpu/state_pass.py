@@ -1,29 +1,34 @@
 """The chunk chains of the WKV7 GPU kernel on Pallas Mosaic GPU (Hopper: wgmma + TMA).
 
     states, final = forward_states(M_hi, M_lo, D, s0)
+    o, final = forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H)
     dS_end, ds0 = backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
 
-They replace the Pallas-Triton `seq_fwd` (states only) and `seq_bwd` launches
-(`pallas_gpu/launches.py`), whose chunk-parallel launches produce the per-chunk maps:
+They replace the Pallas-Triton `seq_fwd` and `seq_bwd` launches (`pallas_gpu/launches.py`),
+whose chunk-parallel launches produce the per-chunk maps:
 
     forward   S_{c+1} = M_c S_c + D_c                    (chunk c's start state S_c [K, V])
+    outputs   o_c = Q_c S_c + O0_c                       (chunk c's 32 rows of o)
     backward  dS_{c-1} = M_c^T dS_c + Q_c^T dO_c         (dS_c: cotangent of chunk c's end state)
 
 Shapes (BH = B * H heads, NT chunks of C = 32 tokens, K = V = 64):
   M_hi, M_lo  [BH, NT, 64, 64] bfloat16, M ~= M_hi + M_lo (16 significant bits)
   D           [BH, NT, 64, 64] float32
   Q_hi, Q_lo  [BH, NT, 32, 64] bfloat16, Q ~= Q_hi + Q_lo
+  O0_t        [BH, NT, 64, 32] float32 (O0_c transposed)
   do          [B, NT * 32, H, 64] bfloat16 (the output cotangent, exact as an operand)
   s0, dsT     [B, H, 64, 64] float32
 Returns float32: `states` [BH, NT, 64, 64] (S_c, the start state of every chunk) and the final
-state [B, H, 64, 64]; `dS_end` [BH, NT, 64, 64] (dS_c) and d(initial state) [B, H, 64, 64].
+state [B, H, 64, 64]; o [B, NT * 32, H, 64] bfloat16; `dS_end` [BH, NT, 64, 64] (dS_c) and
+d(initial state) [B, H, 64, 64].
 
 Design. One CTA (one warpgroup) per head carries the state in float32 registers as the wgmma
 accumulator. Per chunk the state is split into bf16 hi / lo tiles in shared memory and the
 step is one accumulation of bf16 products ("bf16x3": M_hi S_hi + M_hi S_lo + M_lo S_hi, about
 16 significant bits per operand, more than the TF32 products of the Triton launches); the
 backward adds Q^T dO as two products (dO is bf16 already; its 32 rows sit in the lower half of
-a 64-row tile whose upper half, and Q's, stay zero). TMA brings the maps of the next
+a 64-row tile whose upper half, and Q's, stay zero); the outputs are three more products of
+the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed). TMA brings the maps of the next
 `_STAGES - 1` chunks while a chunk runs; every chunk's state leaves through TMA from one of two
 staging tiles. Both operands of every product come from shared memory, so the accumulator is
 the only large register array (no wgmma serialisation for want of registers).
@@ -69,9 +74,34 @@ def _value_out(x, stage, dst):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _forward_kernel(BH, NT, H):
-    def body(mh_ref, ml_ref, d_ref, s0_ref, st_ref, sT_ref,
-             mh, ml, ds, s_hi, s_lo, stage, load_bar, s0_bar):
+def _products(groups):
+    """Products issued together, then awaited: one float32 accumulator per group, each group
+    `(shape, terms, init)` = `init + sum(a @ b for a, b in terms)` with both operands SMEM
+    refs (or their transposed views) and `init` a float32 register array of `shape`."""
+    def issue(accs):
+        for acc, (_, terms, _) in zip(accs, groups):
+            for a, b in terms:
+                plgpu.wgmma(acc, a, b)
+    outs = pl.run_state(issue)(tuple(plgpu.ACC.init(init) for _, _, init in groups))
+    return lax.optimization_barrier(tuple(outs))
+
+
+def _forward_kernel(BH, NT, H, with_out):
+    """The forward chain. It writes every chunk's start state (for the backward), or with
+    `with_out` every chunk's outputs o_c = Q_c S_c + O0_c instead, formed transposed beside the
+    chain's product of the same step (o_c^T = S_c^T Q_c^T + O0_c^T: the state's bf16 tiles are
+    the A operand, 64 value rows, N = 32 tokens)."""
+    B = BH // H
+
+    def body(*refs):
+        n_in = 7 if with_out else 4
+        ins, (x_ref, sT_ref), scratch = refs[:n_in], refs[n_in:n_in + 2], refs[n_in + 2:]
+        mh_ref, ml_ref, d_ref = ins[:3]
+        mh, ml, ds = scratch[:3]
+        if with_out:
+            qh_ref, ql_ref, o0_ref = ins[3:6]
+            qh, ql, o0s, o_stage = scratch[3:7]
+        s_hi, s_lo, stage, load_bar, s0_bar = scratch[-5:]
         bi, hi = lax.axis_index("b"), lax.axis_index("h")
         bh = bi * H + hi
 
@@ -81,49 +111,70 @@ def _forward_kernel(BH, NT, H):
             plgpu.copy_gmem_to_smem(mh_ref.at[bh, c], mh.at[slot], bar)
             plgpu.copy_gmem_to_smem(ml_ref.at[bh, c], ml.at[slot], bar)
             plgpu.copy_gmem_to_smem(d_ref.at[bh, c], ds.at[slot], bar)
+            if with_out:
+                plgpu.copy_gmem_to_smem(qh_ref.at[bh, c], qh.at[slot], bar)
+                plgpu.copy_gmem_to_smem(ql_ref.at[bh, c], ql.at[slot], bar)
+                plgpu.copy_gmem_to_smem(o0_ref.at[bh, c], o0s.at[slot], bar)
 
         for c in range(min(_STAGES - 1, NT)):
             issue(c)
-        s_init = _value_in(s0_ref.at[bi, hi], stage, s0_bar)
+        s_init = _value_in(ins[-1].at[bi, hi], stage, s0_bar)
 
-        def chunk(c, s):
+        def step(c, s):
             slot = c % _STAGES
-            _state_out(s, stage, c % 2, st_ref.at[bh, c])   # commits s_hi / s_lo too
+            hi_, lo_ = _split(s)
+            s_hi[...] = hi_
+            s_lo[...] = lo_
+            if with_out:
+                plgpu.commit_smem()
+            else:
+                _state_out(s, stage, c % 2, x_ref.at[bh, c])   # commits s_hi / s_lo too
             # the slot chunk c - 1 used is free: every thread passed the barrier above
             @pl.when(c + _STAGES - 1 < NT)
             def _prefetch():
                 issue(c + _STAGES - 1)
 
             plgpu.barrier_wait(load_bar.at[slot])
-            return _mm([(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
-                       init=_load(ds.at[slot]))
-
-        def step(c, s):
-            hi_, lo_ = _split(s)
-            s_hi[...] = hi_
-            s_lo[...] = lo_
-            return chunk(c, s)
+            chain = (_SHAPE, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
+                     _load(ds.at[slot]))
+            if not with_out:
+                return _products((chain,))[0]
+            q_hi_t, q_lo_t = qh.at[slot].T, ql.at[slot].T
+            s_next, o_t = _products((chain, ((_SHAPE[1], _C), [
+                (s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)], _load(o0s.at[slot]))))
+            # o^T leaves as o: the transposed register layout stores into the tile's transposed
+            # view; the staging tile used two chunks ago must have been read out
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(_BF16),
+                                                         plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_stage.at[c % 2], x_ref.at[bi, pl.ds(c * _C, _C), hi])
+            return s_next
 
         _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
 
-    tiles = (_swizzled((_STAGES,) + _SHAPE), _swizzled((_STAGES,) + _SHAPE),   # M hi / lo
-             _swizzled((_STAGES,) + _SHAPE, _F32))                              # D
-    return _launch(body, tiles, 3, BH, NT, H, "wkv7_mosaic_seq_fwd")
+    ring = lambda shape, dtype=_BF16: _swizzled((_STAGES,) + shape, dtype)  # noqa: E731
+    tiles = [ring(_SHAPE), ring(_SHAPE), ring(_SHAPE, _F32)]                 # M hi / lo, D
+    if with_out:
+        tiles += [ring((_C, 64)), ring((_C, 64)), ring((64, _C), _F32),      # Q hi / lo, O0^T
+                  _swizzled((2, _C, 64))]                                   # o staging
+        first = jax.ShapeDtypeStruct((B, NT * _C, H, 64), _BF16)
+    else:
+        first = jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32)
+    out_type = (first, jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
+    name = "wkv7_mosaic_seq_fwd" + ("_out" if with_out else "")
+    return _launch(body, tiles, 6 if with_out else 3, B, H, out_type, name)
 
 
-def _launch(body, tiles, loads_per_chunk, BH, NT, H, name):
+def _launch(body, tiles, loads_per_chunk, B, H, out_type, name):
     """`plgpu.kernel` of a chain: grid (B, H), one warpgroup; scratch = `tiles` (the maps'
-    ring), the state's bf16 hi / lo operand tiles, two float32 staging tiles, the ring's
-    barriers and one for the start value. Outputs: per-chunk tiles [BH, NT, 64, 64] and the
-    last value [B, H, 64, 64], float32."""
-    B = BH // H
+    ring and what else the chain needs), the state's bf16 hi / lo operand tiles, two float32
+    [64, 64] staging tiles, the ring's barriers and one for the start value."""
     scratch = (*tiles, _swizzled(_SHAPE), _swizzled(_SHAPE), _swizzled((2,) + _SHAPE, _F32),
                plgpu.Barrier(num_arrivals=loads_per_chunk, num_barriers=_STAGES),
                plgpu.Barrier(num_arrivals=1))
-    out_type = (jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32),
-                jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(body, out_type=out_type, scratch_types=scratch, grid=(B, H),
+    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H),
                         grid_names=("b", "h"), compiler_params=params, kernel_name=name)
 
 
@@ -176,7 +227,10 @@ def _backward_kernel(BH, NT, H):
 
     # M hi / lo, [0; Q] hi / lo, [0; dO]
     tiles = tuple(_swizzled((_STAGES,) + _SHAPE) for _ in range(5))
-    return _launch(body, tiles, 5, BH, NT, H, "wkv7_mosaic_seq_bwd")
+    B = BH // H
+    out_type = (jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32),
+                jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
+    return _launch(body, tiles, 5, B, H, out_type, "wkv7_mosaic_seq_bwd")
 
 
 def check_maps(fn: str, M_hi, M_lo, D) -> None:
@@ -199,7 +253,7 @@ def forward_states(M_hi, M_lo, D, s0):
     if BH != B * H or s0.shape[2:] != _SHAPE:
         raise ValueError(f"forward_states: s0 must be [B, H, 64, 64] with B * H = {BH}, "
                          f"got {s0.shape}")
-    return _forward_kernel(BH, NT, H)(M_hi, M_lo, D, s0.astype(_F32))
+    return _forward_kernel(BH, NT, H, False)(M_hi, M_lo, D, s0.astype(_F32))
 
 
 @functools.partial(jax.jit, static_argnames=("H",))
@@ -217,3 +271,20 @@ def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
         raise ValueError(f"backward_states: do must be bfloat16 {(B, NT * _C, H, 64)}, got "
                          f"{do.dtype} {do.shape}")
     return _backward_kernel(BH, NT, H)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(_F32))
+
+
+@functools.partial(jax.jit, static_argnames=("H",))
+def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, *, H):
+    """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`).
+    `Q_hi, Q_lo` [BH, NT, 32, 64] bfloat16 (a `split_bf16` pair), `O0_t` [BH, NT, 64, 32]
+    float32 (each chunk's O0 transposed: value rows, token columns). Returns `(o [B, NT * 32,
+    H, 64] bfloat16, final_state [B, H, 64, 64] float32)`."""
+    check_maps("forward_outputs", M_hi, M_lo, D)
+    BH, NT = M_hi.shape[:2]
+    want = {"Q_hi": ((BH, NT, _C, 64), _BF16), "Q_lo": ((BH, NT, _C, 64), _BF16),
+            "O0_t": ((BH, NT, 64, _C), _F32), "s0": ((BH // H, H, 64, 64), _F32)}
+    for (name, (shape, dt)), x in zip(want.items(), (Q_hi, Q_lo, O0_t, s0)):
+        if x.shape != shape or (x.dtype != dt and name != "s0"):
+            raise ValueError(f"forward_outputs: {name} must be {dt.__name__} {shape}, got "
+                             f"{x.dtype} {x.shape}")
+    return _forward_kernel(BH, NT, H, True)(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0.astype(_F32))

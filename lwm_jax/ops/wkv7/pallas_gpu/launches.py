@@ -147,10 +147,11 @@ def _io(in_names, in_refs, out_names, out_refs):
 
 
 def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret,
-              split_mq=False):
+              split_mq=False, o0_t=False):
     """Chunk maps `(M, D, Q, O0[, inv])`, float32. With `split_mq` M and Q are each written as
     a bfloat16 pair (`tile_dots.split_bf16`, same bytes as float32): `(M_hi, M_lo, D, Q_hi, Q_lo, O0
-    [, inv])`, the inputs of the Mosaic GPU chunk chains."""
+    [, inv])`, the inputs of the Mosaic GPU chunk chains; with `o0_t` O0 is written transposed,
+    [BH, NT, V, C] (the forward chain that writes the outputs takes it so)."""
     B, Tp, _, K = r.shape
     V = v.shape[-1]
     BH, NT = B * H, Tp // C
@@ -168,12 +169,14 @@ def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret,
             if name in pairs:
                 for part, x in zip(("_hi", "_lo"), split_bf16(value)):
                     st_ref(name + part, x)
+            elif name == "O0" and o0_t:
+                st_ref(name, value.T)
             else:
                 st_ref(name, value)
         tiles.intra_forward(ld, st, n, prec)
 
     kspec, vspec, in_specs, args = _chunk_inputs(r, w, k, v, a, b, n_BT, C, H)
-    shapes = [(K, K), (K, V), (C, K), (C, V)]
+    shapes = [(K, K), (K, V), (C, K), (V, C) if o0_t else (C, V)]
     out_shape, out_specs = [], []
     for group, s in zip(names, shapes):
         dtype = jnp.bfloat16 if len(group) == 2 else _F32

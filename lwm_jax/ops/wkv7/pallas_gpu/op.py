@@ -39,12 +39,16 @@ class Chains(NamedTuple):
     """Chunk chains run instead of the Triton `seq_fwd` / `seq_bwd` launches: the Mosaic GPU
     ones (`mosaic_gpu/state_pass.py`), passed in by `lwm_jax.ops.wkv7.pallas` because kernel
     packages import no other kernel package. `forward(M_hi, M_lo, D, s0) -> (states, final)`,
-    `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H) -> (dS_end, d_s0)`, with M and Q as
-    `tile_dots.split_bf16` pairs, K = V = 64, C = 32 and `do` bfloat16 (the caller checks).
-    Where the gradient is taken both chains run; `primal`: forward-only calls run the forward
-    chain too (else the Triton launches, which need no chunk states there)."""
+    `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H) -> (dS_end, d_s0)` and
+    `forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H) -> (o, final)` (the forward chain
+    writing the outputs instead of the chunk states; O0 transposed, [BH, NT, V, C]), with M and
+    Q as `tile_dots.split_bf16` pairs, K = V = 64, C = 32, `do` and `o` bfloat16 (the caller
+    checks). Where the gradient is taken `forward` (then the Triton `out_fwd` for the outputs)
+    and `backward` run; `primal`: forward-only calls run `forward_out` (else the Triton
+    launches)."""
     forward: Callable
     backward: Callable
+    forward_out: Callable
     primal: bool
 
 
@@ -63,13 +67,21 @@ def _kw(cfg):
 
 
 def _forward(r, w, k, v, a, b, s0, n, cfg, want_inv):
-    """`(o, sT, M, Q, states[, inv])`. With `cfg.chains` M and Q are bf16 pairs and the
-    states always come back; otherwise they are None unless the launches keep them."""
+    """`(o, sT, M, Q, states[, inv])`. With `cfg.chains` M and Q are bf16 pairs; the states
+    come back where the backward needs them (`want_inv`), else they are None unless the Triton
+    launches keep them."""
     kw = _kw(cfg)
     if cfg.chains is not None:
+        # Forward-only, the chain writes the outputs itself. With the gradient it writes the
+        # chunk states and `out_fwd` the outputs: one chain writing both measured slower
+        # (benchmarks/NOTES-wkv7.md).
+        outputs = not want_inv
         M_hi, M_lo, D, Q_hi, Q_lo, O0, *inv = launches.intra_fwd(
-            r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, **kw)
+            r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, o0_t=outputs, **kw)
         M, Q = (M_hi, M_lo), (Q_hi, Q_lo)
+        if outputs:
+            o, sT = cfg.chains.forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=cfg.H)
+            return (o, sT, M, Q, None)
         states, sT = cfg.chains.forward(M_hi, M_lo, D, s0)
         o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
         return (o, sT, M, Q, states, *inv)
