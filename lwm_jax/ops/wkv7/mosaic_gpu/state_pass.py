@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lwm_jax.ops.wkv7.mosaic_gpu.fwd import _BF16, _F32, _SHAPE, _load, _mm, _split, \
+from lwm_jax.ops.wkv7.mosaic_gpu.fwd import _BF16, _F32, _SHAPE, _WG, _load, _split, \
     _swizzled, pl, plgpu
 
 _STAGES = 3   # chunks of maps in flight (the one in use and the next two)
@@ -74,15 +74,22 @@ def _value_out(x, stage, dst):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _products(groups):
+def _products(groups, during=None):
     """Products issued together, then awaited: one float32 accumulator per group, each group
     `(shape, terms, init)` = `init + sum(a @ b for a, b in terms)` with both operands SMEM
-    refs (or their transposed views) and `init` a float32 register array of `shape`."""
+    refs (or their transposed views) and `init` a float32 register array of `shape` (None:
+    zeros). `during()` runs while the products are in flight (the chain's stores: off its
+    critical path)."""
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, _F32), _WG)  # noqa: E731
+
     def issue(accs):
         for acc, (_, terms, _) in zip(accs, groups):
             for a, b in terms:
                 plgpu.wgmma(acc, a, b)
-    outs = pl.run_state(issue)(tuple(plgpu.ACC.init(init) for _, _, init in groups))
+        if during is not None:
+            during()
+    outs = pl.run_state(issue)(tuple(plgpu.ACC.init(zeros(shape) if init is None else init)
+                                     for shape, _, init in groups))
     return lax.optimization_barrier(tuple(outs))
 
 
@@ -120,15 +127,22 @@ def _forward_kernel(BH, NT, H, with_out):
             issue(c)
         s_init = _value_in(ins[-1].at[bi, hi], stage, s0_bar)
 
-        def step(c, s):
+        def o_out(o_t, c):
+            """Chunk c's o^T leaves as o: the transposed register layout stores into the
+            staging tile's transposed view; the tile used two chunks ago must have been read."""
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(_BF16),
+                                                         plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_stage.at[c % 2], x_ref.at[bi, pl.ds(c * _C, _C), hi])
+
+        def step(c, carry):
+            s, o_prev = carry if with_out else (carry, None)
             slot = c % _STAGES
             hi_, lo_ = _split(s)
             s_hi[...] = hi_
             s_lo[...] = lo_
-            if with_out:
-                plgpu.commit_smem()
-            else:
-                _state_out(s, stage, c % 2, x_ref.at[bh, c])   # commits s_hi / s_lo too
+            plgpu.commit_smem()
             # the slot chunk c - 1 used is free: every thread passed the barrier above
             @pl.when(c + _STAGES - 1 < NT)
             def _prefetch():
@@ -137,21 +151,22 @@ def _forward_kernel(BH, NT, H, with_out):
             plgpu.barrier_wait(load_bar.at[slot])
             chain = (_SHAPE, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
                      _load(ds.at[slot]))
-            if not with_out:
-                return _products((chain,))[0]
+            if not with_out:   # S_c leaves while the step's products run
+                return _products((chain,), lambda: _state_out(s, stage, c % 2,
+                                                              x_ref.at[bh, c]))[0]
             q_hi_t, q_lo_t = qh.at[slot].T, ql.at[slot].T
-            s_next, o_t = _products((chain, ((_SHAPE[1], _C), [
-                (s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)], _load(o0s.at[slot]))))
-            # o^T leaves as o: the transposed register layout stores into the tile's transposed
-            # view; the staging tile used two chunks ago must have been read out
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(_BF16),
-                                                         plgpu.Layout.WGMMA_TRANSPOSED)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_stage.at[c % 2], x_ref.at[bi, pl.ds(c * _C, _C), hi])
-            return s_next
+            out = ((_SHAPE[1], _C), [(s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)],
+                   _load(o0s.at[slot]))
+            # chunk c - 1's outputs leave while chunk c's products run
+            return _products((chain, out), pl.when(c > 0)(lambda: o_out(o_prev, c - 1)))
 
-        _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
+        if not with_out:
+            _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
+            return
+        o_init = plgpu.layout_cast(jnp.zeros((_SHAPE[1], _C), _F32), _WG)
+        s_last, o_last = lax.fori_loop(0, NT, step, (s_init, o_init))
+        o_out(o_last, NT - 1)
+        _value_out(s_last, stage, sT_ref.at[bi, hi])
 
     ring = lambda shape, dtype=_BF16: _swizzled((_STAGES,) + shape, dtype)  # noqa: E731
     tiles = [ring(_SHAPE), ring(_SHAPE), ring(_SHAPE, _F32)]                 # M hi / lo, D
@@ -212,7 +227,7 @@ def _backward_kernel(BH, NT, H):
             hi_, lo_ = _split(g)
             g_hi[...] = hi_
             g_lo[...] = lo_
-            _state_out(g, stage, i % 2, dS_ref.at[bh, c])   # commits g_hi / g_lo too
+            plgpu.commit_smem()
 
             @pl.when(i + _STAGES - 1 < NT)
             def _prefetch():
@@ -220,8 +235,11 @@ def _backward_kernel(BH, NT, H):
 
             plgpu.barrier_wait(load_bar.at[slot])
             m_hi_t, m_lo_t = mh.at[slot].T, ml.at[slot].T
-            return _mm([(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
-                        (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])])
+            terms = [(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
+                     (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])]
+            # dS_c leaves while the step's products run
+            return _products(((_SHAPE, terms, None),),
+                             lambda: _state_out(g, stage, i % 2, dS_ref.at[bh, c]))[0]
 
         _value_out(lax.fori_loop(0, NT, step, g_init), stage, ds0_ref.at[bi, hi])
 
