@@ -4,8 +4,9 @@ Shapes (after padding T to Tp = NT * C; BH = B * H; intermediates are chunk-majo
 
   intra_fwd   grid (BH, NT), chunk-parallel. Reads r, w, k, a, b [B, Tp, H, K], v [B, Tp, H, V]
               (and the reset counter [B, Tp]); writes M [BH, NT, K, K], D [BH, NT, K, V],
-              Q [BH, NT, C, K], O0 [BH, NT, C, V] (float32) and, for the backward,
-              inv [BH, NT, C, C].
+              Q [BH, NT, C, K], O0 [BH, NT, C, V] (float32; for the Mosaic chains M and Q as
+              bf16 hi / lo pairs, O0 transposed where the chain writes the outputs) and, for
+              the backward, inv [BH, NT, C, C].
   seq_fwd     grid (BH, V / BV), sequential over chunks: S <- M S + D and o = Q S + O0. Writes o
               [B, Tp, H, V], the final state [B, H, K, V] and, for the backward, the state at
               each chunk start [BH, NT, K, V] (per-chunk states only; nothing of size T*K*V).
