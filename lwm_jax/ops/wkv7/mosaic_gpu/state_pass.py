@@ -28,10 +28,11 @@ step is one accumulation of bf16 products ("bf16x3": M_hi S_hi + M_hi S_lo + M_l
 16 significant bits per operand, more than the TF32 products of the Triton launches); the
 backward adds Q^T dO as two products (dO is bf16 already; its 32 rows sit in the lower half of
 a 64-row tile whose upper half, and Q's, stay zero); the outputs are three more products of
-the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed). TMA brings the maps of the next
-`_STAGES - 1` chunks while a chunk runs; every chunk's state leaves through TMA from one of two
-staging tiles. Both operands of every product come from shared memory, so the accumulator is
-the only large register array (no wgmma serialisation for want of registers).
+the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed). TMA brings the
+maps of the next `_STAGES - 1` chunks while a chunk runs; every chunk's state (or outputs)
+leaves through TMA from one of two staging tiles, stored while the step's products are in
+flight. Both operands of every product come from shared memory, so the accumulator is the only
+large register array (no wgmma serialisation for want of registers).
 """
 from __future__ import annotations
 
