@@ -56,6 +56,11 @@ from lwm_jax.precision.loss_scale import all_finite
 from lwm_jax.train.config import CheckpointSection
 
 
+# One compiled check per parameter tree (cached across saves): run op by op it compiled a
+# reduction per parameter shape at the first save (~1.2 s for the tiny config on a CPU, 0.46 s
+# compiled whole).
+_params_finite = jax.jit(all_finite)
+
 _NO_SPACE = ("No space left on device", "os_error_code='28'", "Disk quota exceeded",
              "os_error_code='122'")
 
@@ -183,7 +188,7 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return False
         params = getattr(state, "params", state)
-        if not bool(all_finite(params)):
+        if not bool(_params_finite(params)):
             names = nonfinite_params(params)
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
             raise ValueError(f"checkpoint: refusing to save step {step} in {self.directory}: "
