@@ -410,11 +410,8 @@ def cmd_sweep(args):
             elif kind == "seqo":  # the forward's sequential part as the step runs it: seq_fwd,
                 # then out_fwd when the tuning writes states only (`split_out`)
                 def fwd_out(M, Dm, Q, O0, s0):
-                    o, sT, *states = gk.seq_fwd(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16,
-                                                want_states=True, **kw)
-                    if o is None:
-                        o = gk.out_fwd(Q, O0, states[0], out_dtype=jnp.bfloat16, **kw)
-                    return o, sT
+                    return gk.seq_forward(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16,
+                                              want_states=True, **kw)[:2]
                 ms = bench(jax.jit(fwd_out), p["M"], p["Dm"], p["Q"], p["O0"], p["s0"]) * 1e3
             else:  # "seqb": the reverse sequential launch
                 f = jax.jit(lambda M, Q, do, s: gk.seq_bwd(M, Q, do, s, **kw))

@@ -76,14 +76,9 @@ def main(argv=None):
     def triton_out(p, B, H):
         """seq_fwd as the op runs it by default (outputs, or states then `out_fwd`)."""
         kw = dict(p["kw"], tune=resolve(None, C, B * H, 64))
-
-        def f(M, Dm, Q, O0, s0):
-            o, sT, *st = gk.seq_fwd(M, Dm, Q, O0, s0, out_dtype=jnp.bfloat16, want_states=False,
-                                    **kw)
-            if o is None:
-                o = gk.out_fwd(Q, O0, st[0], out_dtype=jnp.bfloat16, **kw)
-            return o, sT
-        return jax.jit(f), (p["M"], p["D"], p["Q"], p["O0"], p["s0"])
+        f = jax.jit(lambda *a: gk.seq_forward(*a, out_dtype=jnp.bfloat16,
+                                                  want_states=False, **kw)[:2])
+        return f, (p["M"], p["D"], p["Q"], p["O0"], p["s0"])
 
     def mosaic_out(p, H):
         f = jax.jit(lambda mh, ml, d, qh, ql, o0t, s0: sp.forward_outputs(

@@ -21,12 +21,11 @@ from lwm_jax.ops.wkv7.testing import (chunk_chains_f64, random_wkv7_inputs, rel_
 
 _F32 = jnp.float32
 _HI = lax.Precision.HIGHEST
-# The wiring tests compare float32 stand-ins with the interpreted Triton path, both exact.
-_EXACT = "highest"
-# They need XLA:CPU: on a GPU, XLA compiles the interpreted chunk launch's bf16 hi / lo split
-# with the float32 -> bfloat16 -> float32 round trip dropped as excess precision
-# (`xla_allow_excess_precision`), so every lo half is zero (measured: outputs 1e-3 apart). The
-# compiled kernels split inside Triton / Mosaic, where XLA cannot do that.
+# The wiring tests (interpreter vs float32 stand-ins) need XLA:CPU: on a GPU, XLA compiles the
+# interpreted chunk launch's bf16 hi / lo split with the float32 -> bfloat16 -> float32 round
+# trip dropped as excess precision (`xla_allow_excess_precision`), so every lo half is zero
+# (measured: outputs 1e-3 apart). The compiled kernels split inside Triton / Mosaic, where XLA
+# cannot do that; the `gpu` tests below check them against float64.
 _needs_xla_cpu = pytest.mark.skipif(jax.default_backend() == "gpu",
                                     reason="XLA:GPU drops the interpreter's bf16 lo halves")
 C = 32
@@ -141,7 +140,7 @@ def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
     xs, s0, seg, do, dsT = _problem(0, 2, 83, 2, 128)
     calls = []
     run = lambda ch: _vjp(lambda xs, s0: wkv7_gpu(*xs, s0, seg, 32, interpret=True,  # noqa: E731
-                                                  precision=_EXACT, chains=ch), xs, s0, do, dsT)
+                                                  chains=ch), xs, s0, do, dsT)
     got, want = run(_chains(calls, True)), run(None)
     assert sorted(set(calls)) == ["backward", "forward"]
     diffs = [rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, want)]
@@ -153,11 +152,10 @@ def test_forward_only_calls_run_the_output_chain_only_when_primal():
     """Forward-only calls: the chain that writes the outputs (transposed O0 from the chunk
     launch) where `primal`, else the Triton launches; same outputs and final state."""
     xs, s0, seg, _, _ = _problem(1, 2, 83, 2, 128)
-    ref = wkv7_gpu(*xs, s0, seg, 32, interpret=True, precision=_EXACT)
+    ref = wkv7_gpu(*xs, s0, seg, 32, interpret=True)
     for primal, expect in ((False, []), (True, ["forward_out"] * 2)):   # two value blocks
         calls = []
-        got = wkv7_gpu(*xs, s0, seg, 32, interpret=True, precision=_EXACT,
-                       chains=_chains(calls, primal))
+        got = wkv7_gpu(*xs, s0, seg, 32, interpret=True, chains=_chains(calls, primal))
         assert calls == expect
         assert max(rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, ref)) < 1e-4
 

@@ -269,6 +269,18 @@ def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
     )(*qs, O0, states)
 
 
+def seq_forward(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interpret):
+    """The sequential forward as the op runs it: `seq_fwd`, then `out_fwd` where the tuning
+    splits the outputs off. Returns `(o, final_state, states or None)` (the chunk states also
+    when the split needed them)."""
+    kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=interpret)
+    o, sT, *states = seq_fwd(M, D, Q, O0, s0, out_dtype=out_dtype, want_states=want_states, **kw)
+    states = states[0] if states else None
+    if o is None:
+        o = out_fwd(Q, O0, states, out_dtype=out_dtype, **kw)
+    return o, sT, states
+
+
 def seq_bwd(M, Q, do, dsT, *, H, C, prec, tune, interpret):
     BH, NT, K, _ = M.shape
     B = BH // H

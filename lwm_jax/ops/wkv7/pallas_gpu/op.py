@@ -86,11 +86,8 @@ def _forward(r, w, k, v, a, b, s0, n, cfg, want_inv):
         o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
         return (o, sT, M, Q, states, *inv)
     M, D, Q, O0, *inv = launches.intra_fwd(r, w, k, v, a, b, n, want_inv=want_inv, **kw)
-    o, sT, *states = launches.seq_fwd(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
-                                      want_states=want_inv, **kw)
-    states = states[0] if states else None
-    if o is None:
-        o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
+    o, sT, states = launches.seq_forward(M, D, Q, O0, s0, out_dtype=cfg.out_dtype,
+                                         want_states=want_inv, **kw)
     return (o, sT, M, Q, states, *inv)
 
 
