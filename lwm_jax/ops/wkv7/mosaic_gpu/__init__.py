@@ -1,14 +1,17 @@
-"""WKV7 forward on Pallas Mosaic GPU (Hopper, sm_90a: wgmma + TMA). Forward only.
+"""WKV7 kernels on Pallas Mosaic GPU (Hopper, sm_90a: wgmma + TMA).
 
     from lwm_jax.ops.wkv7.mosaic_gpu import wkv7_mosaic_fwd, wkv7_mosaic_fwd2
     o, final_state = wkv7_mosaic_fwd(r, w, k, v, a, b, initial_state=None)   # one CTA per head
     o, final_state = wkv7_mosaic_fwd2(r, w, k, v, a, b, seq=...)  # chunk-parallel + sequential
 
 Needs jax >= 0.11 (its `jax.experimental.pallas.mosaic_gpu` API); on older jax importing this
-package raises an ImportError that says so. Nothing else in `lwm_jax` imports it yet.
+package raises an ImportError that says so (`lwm_jax.ops.wkv7.pallas` then keeps the Triton
+launches).
 See `fwd.py` for the per-chunk algebra, shapes and precision, `chunks.py` (the chunk-parallel
 maps) and `two_phase.py` (the two-phase forward; its phase 2 is passed in, e.g. the Triton
-launches, since this package may not import pallas_gpu).
+launches, since this package may not import pallas_gpu). `state_pass.py` holds the chunk chains
+the GPU op runs on Hopper; `pair_maps.py` the chunk maps in the chains' format, two chunks per
+CTA (not wired: slower than the Triton launch).
 """
 from __future__ import annotations
 
