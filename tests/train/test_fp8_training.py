@@ -134,21 +134,30 @@ MESH_DRIVER = textwrap.dedent(r"""
     prog = build_program(load_config(None, json.loads(sys.argv[1])))
     state = prog.init_state()
     tokens = jax.random.randint(jax.random.PRNGKey(0), (4, 33), 0, 256)
+    first = None
     for _ in range(3):
         state, metrics = prog.train_step(state, tokens)
+        first = first or [np.asarray(m).tolist() for m in jax.tree.leaves(state.fp8)]
     metas = jax.tree.leaves(state.fp8)
     print(json.dumps({"devices": int(prog.mesh.size), "loss": float(metrics["loss"]),
-                      "specs": sorted({str(m.sharding.spec) for m in metas}),
+                      "specs": sorted({str(m.sharding.spec) for m in metas}), "first": first,
                       "metas": [np.asarray(m).tolist() for m in metas]}))
 """)
 
 
 def test_fp8_state_on_a_mesh_matches_one_device():
     """3 fp8-mixed steps on data 2 x fsdp 2 (4 CPU devices: batch split, parameters sharded)
-    match one CPU device: the loss, and every scale and recorded amax (an amax taken per shard
-    instead of over the whole tensor would differ); the scaling state is replicated. Both
-    runs on the CPU, each in its own process: on a GPU machine an in-process reference would
-    run on the GPU, whose products round differently from the CPU's."""
+    match one CPU device: the loss, every scale, and every amax the first step records (an
+    amax taken per shard instead of over the whole tensor would differ); the scaling state is
+    replicated. Both runs on the CPU, each in its own process: on a GPU machine an in-process
+    reference would run on the GPU, whose products round differently from the CPU's.
+
+    Only the first step's amaxes are compared value by value: both runs start from the same
+    parameters there, so each amax differs by at most the rounding of a sharded sum. After an
+    update the runs' parameters differ by rounding, and Adam's normalisation turns rounding-
+    level gradients of near-zero parameters into different updates, so a later amax of a tiny
+    tensor is not bounded by one rounding (seen: a gradient amax of 4.4e-7 three bf16 ulps
+    apart at step 3 on an AVX-512 host, while the loss agreed to 2e-5)."""
     over = [*SMALL, "precision=fp8-mixed"]
 
     def run(devices, extra):
@@ -162,9 +171,13 @@ def test_fp8_state_on_a_mesh_matches_one_device():
     mesh, single = run(4, ["mesh.data=2", "mesh.fsdp=2"]), run(1, [])
     assert mesh["devices"] == 4 and mesh["specs"] == ["P()"] and single["devices"] == 1
     assert mesh["loss"] == pytest.approx(single["loss"], rel=2e-5)
-    one = [np.asarray(m, np.float32) for m in single["metas"]]
-    assert len(one) == len(mesh["metas"])
-    # the inputs' amaxes are bf16 values: a sharded sum upstream may move one by an ulp (2^-8
-    # relative, at most 2^-7 across a binade edge); a per-shard maximum would be far off
-    for a, b in zip(one, mesh["metas"]):
+    one = [np.asarray(m, np.float32) for m in single["first"]]
+    assert len(one) == len(mesh["first"]) == len(single["metas"]) == len(mesh["metas"])
+    # the first step's amaxes are bf16 values: a sharded sum upstream may move one by an ulp
+    # (2^-8 relative, at most 2^-7 across a binade edge); a per-shard maximum would be far off
+    for a, b in zip(one, mesh["first"]):
+        assert np.any(a[..., 1] > 0)        # the step recorded its amaxes
         np.testing.assert_allclose(np.asarray(b), a, rtol=2.0**-7, atol=0)
+    # every scale after 3 steps: powers of two, equal
+    for a, b in zip(single["metas"], mesh["metas"]):
+        np.testing.assert_array_equal(np.asarray(b)[..., 0], np.asarray(a)[..., 0])
