@@ -49,21 +49,21 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lwm_jax.ops.wkv7.mosaic_gpu.fwd import _BF16, _F32, _SHAPE, _WG, _load, _put, _split, \
-    _swizzled, pl, plgpu
+from lwm_jax.ops.wkv7.mosaic_gpu.tiles import (BF16, F32, TILE, WG, load, pl,
+                                               plgpu, put, split, swizzled)
 from lwm_jax.ops.wkv7.mosaic_gpu.state_pass import _products
 
 _C = 32            # tokens per chunk
 _P = 2 * _C        # tokens per CTA
 _LEAD = 8          # rows of the g buffer before token 0 (g one token earlier is a shifted read)
-_COL = _WG.reduce(0)   # one value per column
+_COL = WG.reduce(0)   # one value per column
 
 
 def chunk_log_decay(w, chunk: int = _C):
     """g: the inclusive cumulative sum of the log decay w `[B, T, H, K]` inside each chunk of
     `chunk` tokens, float32 (T a multiple of `chunk`)."""
     B, T, H, K = w.shape
-    x = w.astype(_F32).reshape(B, T // chunk, chunk, H, K)
+    x = w.astype(F32).reshape(B, T // chunk, chunk, H, K)
     return jnp.cumsum(x, axis=2).reshape(B, T, H, K)
 
 
@@ -74,7 +74,7 @@ def _x3(l_hi, l_lo, pair, transposed=False):
 
 
 def _put_pair(x, pair):
-    _put(x, pair.at[0], pair.at[1])
+    put(x, pair.at[0], pair.at[1])
 
 
 def _kernel(B, Tp, H):
@@ -94,8 +94,8 @@ def _kernel(B, Tp, H):
             plgpu.copy_gmem_to_smem(src.at[bi, tok, hi], dst, bar)
         plgpu.barrier_wait(bar)
 
-        row = plgpu.broadcasted_iota(jnp.int32, _SHAPE, 0, layout=_WG)
-        col = plgpu.broadcasted_iota(jnp.int32, _SHAPE, 1, layout=_WG)
+        row = plgpu.broadcasted_iota(jnp.int32, TILE, 0, layout=WG)
+        col = plgpu.broadcasted_iota(jnp.int32, TILE, 1, layout=WG)
         second = row >= _C
         same = (row >> 5) == (col >> 5)
         strict, incl = same & (row > col), same & (row >= col)
@@ -105,23 +105,23 @@ def _kernel(B, Tp, H):
             return plgpu.load(gs.at[_LEAD + t], layout=_COL, optimized=False)
 
         def wide(x):
-            return lax.broadcast_in_dim(x, _SHAPE, [1])
+            return lax.broadcast_in_dim(x, TILE, [1])
 
         def per_chunk(t):
             """g at token t of each row's chunk, broadcast along the row."""
             return jnp.where(second, wide(g_at(_C + t)), wide(g_at(t)))
 
         def g_now():
-            return _load(gs.at[pl.ds(_LEAD, _P)])
+            return load(gs.at[pl.ds(_LEAD, _P)])
 
         def g_prev():
-            return jnp.where((row & (_C - 1)) == 0, 0.0, _load(gs.at[pl.ds(_LEAD - 1, _P)]))
+            return jnp.where((row & (_C - 1)) == 0, 0.0, load(gs.at[pl.ds(_LEAD - 1, _P)]))
 
         def inp(ref):
-            return _load(ref).astype(_F32)
+            return load(ref).astype(F32)
 
         def one(terms, init=None):
-            return _products(((_SHAPE, terms, init),))[0]
+            return _products(((TILE, terms, init),))[0]
 
         # right factors of the pair products: k e^{p-g} -> p1, b e^{p-g} -> p2
         e_right = jnp.exp(per_chunk(_C // 2 - 1) - g_now())
@@ -129,15 +129,15 @@ def _kernel(B, Tp, H):
         _put_pair(inp(p3.at[1]) * e_right, p2)
         plgpu.commit_smem()
         # the a rows: A_ak and A_ab stay in registers (A_ak for U0, A_ab for the inverse)
-        l_hi, l_lo = _split(inp(xs.at[0]) * jnp.exp(g_prev() - per_chunk(_C // 2 - 1)))
-        s_ak, s_ab = _products(((_SHAPE, _x3(l_hi, l_lo, p1, True), None),
-                                (_SHAPE, _x3(l_hi, l_lo, p2, True), None)))
+        l_hi, l_lo = split(inp(xs.at[0]) * jnp.exp(g_prev() - per_chunk(_C // 2 - 1)))
+        s_ak, s_ab = _products(((TILE, _x3(l_hi, l_lo, p1, True), None),
+                                (TILE, _x3(l_hi, l_lo, p2, True), None)))
         a_ak = jnp.where(strict, s_ak, 0.0)
         a_ab = jnp.where(strict, s_ab, 0.0)
         # the r rows: A_rb -> p3, A_rk -> p4 (read by the Q and O0 products)
-        l_hi, l_lo = _split(inp(xs.at[1]) * jnp.exp(g_now() - per_chunk(_C // 2 - 1)))
-        s_rk, s_rb = _products(((_SHAPE, _x3(l_hi, l_lo, p1, True), None),
-                                (_SHAPE, _x3(l_hi, l_lo, p2, True), None)))
+        l_hi, l_lo = split(inp(xs.at[1]) * jnp.exp(g_now() - per_chunk(_C // 2 - 1)))
+        s_rk, s_rb = _products(((TILE, _x3(l_hi, l_lo, p1, True), None),
+                                (TILE, _x3(l_hi, l_lo, p2, True), None)))
         _put_pair(jnp.where(incl, s_rb, 0.0), p3)
         _put_pair(jnp.where(incl, s_rk, 0.0), p4)
 
@@ -146,17 +146,17 @@ def _kernel(B, Tp, H):
         d1 = jnp.where((row >> 3) == (col >> 3), a_ab, 0.0)
         _put_pair(d1, p1)
         plgpu.commit_smem()
-        h, l = _split(d1)
+        h, l = split(d1)
         d2 = one(_x3(h, l, p1))                                   # D^2
         _put_pair(d2, p1)
         _put_pair(eye + d1, p2)
         plgpu.commit_smem()
-        h, l = _split(d2)
-        d4, t = _products(((_SHAPE, _x3(h, l, p1), None),          # D^4
-                           (_SHAPE, _x3(h, l, p2), eye + d1)))     # (I + D^2)(I + D)
+        h, l = split(d2)
+        d4, t = _products(((TILE, _x3(h, l, p1), None),          # D^4
+                           (TILE, _x3(h, l, p2), eye + d1)))     # (I + D^2)(I + D)
         _put_pair(t, p1)
         plgpu.commit_smem()
-        h, l = _split(d4)
+        h, l = split(d4)
         t = one(_x3(h, l, p1), t)                                 # (I + D^4)(I + D^2)(I + D)
         for shift in (4, 5):
             off = (((row >> shift) == (col >> shift))
@@ -164,25 +164,25 @@ def _kernel(B, Tp, H):
             _put_pair(jnp.where(off, a_ab, 0.0), p1)
             _put_pair(t, p2)
             plgpu.commit_smem()
-            h, l = _split(t)
+            h, l = split(t)
             t_off = one(_x3(h, l, p1))                            # T A_off
-            h, l = _split(t_off)
+            h, l = split(t_off)
             t = one(_x3(h, l, p2), t)                             # T + T A_off T
 
         # Wm = T (a e^{gx}) and A_ak V
         _put_pair(inp(xs.at[0]) * jnp.exp(g_prev()), p1)
         plgpu.commit_smem()
-        t_hi, t_lo = _split(t)
-        k_hi, k_lo = _split(a_ak)
-        wm, av = _products(((_SHAPE, _x3(t_hi, t_lo, p1), None),
-                            (_SHAPE, [(k_hi, vs), (k_lo, vs)], None)))
+        t_hi, t_lo = split(t)
+        k_hi, k_lo = split(a_ak)
+        wm, av = _products(((TILE, _x3(t_hi, t_lo, p1), None),
+                            (TILE, [(k_hi, vs), (k_lo, vs)], None)))
         # U0 = T (A_ak V) and Q = r e^{g} + A_rb Wm
         _put_pair(wm, p1)
         _put_pair(av, p2)
         plgpu.commit_smem()
         rt = inp(xs.at[1]) * jnp.exp(g_now())
-        u0, q = _products(((_SHAPE, _x3(t_hi, t_lo, p2), None),
-                           (_SHAPE, [(p3.at[0], p1.at[0]), (p3.at[0], p1.at[1]),
+        u0, q = _products(((TILE, _x3(t_hi, t_lo, p2), None),
+                           (TILE, [(p3.at[0], p1.at[0]), (p3.at[0], p1.at[1]),
                                      (p3.at[1], p1.at[0])], rt)))
         # Q leaves from the input tiles of a and r (dead); U0 -> p2
         _put_pair(q, xs)
@@ -223,9 +223,9 @@ def _kernel(B, Tp, H):
             """M_c = diag(e^{gC}) + (b e^{gC-g})_c^T Wm, D_c = (k e^{gC-g})_c^T V + (...)^T U0."""
             bt_hi, bt_lo = p3.at[0].T, p3.at[1].T
             kt_hi, kt_lo = p4.at[0].T, p4.at[1].T
-            m, d = _products(((_SHAPE, [(bt_hi, p1.at[0]), (bt_hi, p1.at[1]),
+            m, d = _products(((TILE, [(bt_hi, p1.at[0]), (bt_hi, p1.at[1]),
                                         (bt_lo, p1.at[0])], None),
-                              (_SHAPE, [(kt_hi, vs), (kt_lo, vs), (bt_hi, p2.at[0]),
+                              (TILE, [(kt_hi, vs), (kt_lo, vs), (bt_hi, p2.at[0]),
                                         (bt_hi, p2.at[1]), (bt_lo, p2.at[0])], None)))
             return m + jnp.where(row == col, jnp.exp(wide(g_end[c])), 0.0), d
 
@@ -249,19 +249,19 @@ def _kernel(B, Tp, H):
         plgpu.copy_smem_to_gmem(d1_stage, d_ref.at[bh, 2 * pi + 1])
         plgpu.wait_smem_to_gmem(0)
 
-    pair = lambda: _swizzled((2,) + _SHAPE)  # noqa: E731
+    pair = lambda: swizzled((2,) + TILE)  # noqa: E731
     scratch = (
         pair(),                                                   # [a, r], Q, [k, b], M_0
-        _swizzled(_SHAPE),                                        # v
-        plgpu.RefUnion(plgpu.SMEM((_LEAD + _P, 64), _F32),         # g, then O0^T, then D_0
-                       _swizzled((2, 64, _C), _F32), _swizzled(_SHAPE, _F32)),
+        swizzled(TILE),                                        # v
+        plgpu.RefUnion(plgpu.SMEM((_LEAD + _P, 64), F32),         # g, then O0^T, then D_0
+                       swizzled((2, 64, _C), F32), swizzled(TILE, F32)),
         pair(),                                                   # p3, then M_1
-        plgpu.RefUnion(pair(), _swizzled(_SHAPE, _F32)),          # p4, then D_1
+        plgpu.RefUnion(pair(), swizzled(TILE, F32)),          # p4, then D_1
         pair(), pair(),                                           # p1, p2
         plgpu.Barrier(num_arrivals=6), plgpu.Barrier(num_arrivals=2),
     )
-    bf = lambda *s: jax.ShapeDtypeStruct((BH, NT) + s, _BF16)  # noqa: E731
-    f32 = lambda *s: jax.ShapeDtypeStruct((BH, NT) + s, _F32)  # noqa: E731
+    bf = lambda *s: jax.ShapeDtypeStruct((BH, NT) + s, BF16)  # noqa: E731
+    f32 = lambda *s: jax.ShapeDtypeStruct((BH, NT) + s, F32)  # noqa: E731
     out_type = (bf(64, 64), bf(64, 64), f32(64, 64), bf(_C, 64), bf(_C, 64), f32(64, _C))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane,
                                   approx_math=True)
@@ -276,10 +276,10 @@ def pair_maps(r, k, v, a, b, g):
     (`chunk_log_decay` of w), T a multiple of 64."""
     B, Tp, H, K = r.shape
     for name, x in (("r", r), ("k", k), ("v", v), ("a", a), ("b", b)):
-        if x.shape != (B, Tp, H, 64) or x.dtype != _BF16:
+        if x.shape != (B, Tp, H, 64) or x.dtype != BF16:
             raise ValueError(f"pair_maps: {name} must be bfloat16 {(B, Tp, H, 64)}, got "
                              f"{x.dtype} {x.shape}")
-    if g.shape != r.shape or g.dtype != _F32:
+    if g.shape != r.shape or g.dtype != F32:
         raise ValueError(f"pair_maps: g must be float32 {r.shape}, got {g.dtype} {g.shape}")
     if Tp % _P:
         raise ValueError(f"pair_maps: T must be a multiple of {_P}, got {Tp}")

@@ -42,8 +42,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from lwm_jax.ops.wkv7.mosaic_gpu.fwd import _BF16, _F32, _SHAPE, _WG, _load, _split, \
-    _swizzled, pl, plgpu
+from lwm_jax.ops.wkv7.mosaic_gpu.tiles import (BF16, F32, TILE, WG, load, pl,
+                                               plgpu, split, swizzled)
 
 _STAGES = 3   # chunks of maps in flight (the one in use and the next two)
 _C = 32       # chunk length the Triton chunk launches use
@@ -62,7 +62,7 @@ def _value_in(src, stage, bar):
     """The chain's start value [64, 64] float32 from HBM `src`, through staging tile 1."""
     plgpu.copy_gmem_to_smem(src, stage.at[1], bar)
     plgpu.barrier_wait(bar)
-    return _load(stage.at[1])
+    return load(stage.at[1])
 
 
 def _value_out(x, stage, dst):
@@ -81,7 +81,7 @@ def _products(groups, during=None):
     refs (or their transposed views) and `init` a float32 register array of `shape` (None:
     zeros). `during()` runs while the products are in flight (the chain's stores: off its
     critical path)."""
-    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, _F32), _WG)  # noqa: E731
+    zeros = lambda shape: plgpu.layout_cast(jnp.zeros(shape, F32), WG)  # noqa: E731
 
     def issue(accs):
         for acc, (_, terms, _) in zip(accs, groups):
@@ -132,7 +132,7 @@ def _forward_kernel(BH, NT, H, with_out):
             """Chunk c's o^T leaves as o: the transposed register layout stores into the
             staging tile's transposed view; the tile used two chunks ago must have been read."""
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(_BF16),
+            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(BF16),
                                                          plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(o_stage.at[c % 2], x_ref.at[bi, pl.ds(c * _C, _C), hi])
@@ -140,7 +140,7 @@ def _forward_kernel(BH, NT, H, with_out):
         def step(c, carry):
             s, o_prev = carry if with_out else (carry, None)
             slot = c % _STAGES
-            hi_, lo_ = _split(s)
+            hi_, lo_ = split(s)
             s_hi[...] = hi_
             s_lo[...] = lo_
             plgpu.commit_smem()
@@ -150,34 +150,34 @@ def _forward_kernel(BH, NT, H, with_out):
                 issue(c + _STAGES - 1)
 
             plgpu.barrier_wait(load_bar.at[slot])
-            chain = (_SHAPE, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
-                     _load(ds.at[slot]))
+            chain = (TILE, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
+                     load(ds.at[slot]))
             if not with_out:   # S_c leaves while the step's products run
                 return _products((chain,), lambda: _state_out(s, stage, c % 2,
                                                               x_ref.at[bh, c]))[0]
             q_hi_t, q_lo_t = qh.at[slot].T, ql.at[slot].T
-            out = ((_SHAPE[1], _C), [(s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)],
-                   _load(o0s.at[slot]))
+            out = ((TILE[1], _C), [(s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)],
+                   load(o0s.at[slot]))
             # chunk c - 1's outputs leave while chunk c's products run
             return _products((chain, out), pl.when(c > 0)(lambda: o_out(o_prev, c - 1)))
 
         if not with_out:
             _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
             return
-        o_init = plgpu.layout_cast(jnp.zeros((_SHAPE[1], _C), _F32), _WG)
+        o_init = plgpu.layout_cast(jnp.zeros((TILE[1], _C), F32), WG)
         s_last, o_last = lax.fori_loop(0, NT, step, (s_init, o_init))
         o_out(o_last, NT - 1)
         _value_out(s_last, stage, sT_ref.at[bi, hi])
 
-    ring = lambda shape, dtype=_BF16: _swizzled((_STAGES,) + shape, dtype)  # noqa: E731
-    tiles = [ring(_SHAPE), ring(_SHAPE), ring(_SHAPE, _F32)]                 # M hi / lo, D
+    ring = lambda shape, dtype=BF16: swizzled((_STAGES,) + shape, dtype)  # noqa: E731
+    tiles = [ring(TILE), ring(TILE), ring(TILE, F32)]                 # M hi / lo, D
     if with_out:
-        tiles += [ring((_C, 64)), ring((_C, 64)), ring((64, _C), _F32),      # Q hi / lo, O0^T
-                  _swizzled((2, _C, 64))]                                   # o staging
-        first = jax.ShapeDtypeStruct((B, NT * _C, H, 64), _BF16)
+        tiles += [ring((_C, 64)), ring((_C, 64)), ring((64, _C), F32),      # Q hi / lo, O0^T
+                  swizzled((2, _C, 64))]                                   # o staging
+        first = jax.ShapeDtypeStruct((B, NT * _C, H, 64), BF16)
     else:
-        first = jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32)
-    out_type = (first, jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
+        first = jax.ShapeDtypeStruct((BH, NT) + TILE, F32)
+    out_type = (first, jax.ShapeDtypeStruct((B, H) + TILE, F32))
     name = "wkv7_mosaic_seq_fwd" + ("_out" if with_out else "")
     return _launch(body, tiles, 6 if with_out else 3, B, H, out_type, name)
 
@@ -186,7 +186,7 @@ def _launch(body, tiles, loads_per_chunk, B, H, out_type, name):
     """`plgpu.kernel` of a chain: grid (B, H), one warpgroup; scratch = `tiles` (the maps'
     ring and what else the chain needs), the state's bf16 hi / lo operand tiles, two float32
     [64, 64] staging tiles, the ring's barriers and one for the start value."""
-    scratch = (*tiles, _swizzled(_SHAPE), _swizzled(_SHAPE), _swizzled((2,) + _SHAPE, _F32),
+    scratch = (*tiles, swizzled(TILE), swizzled(TILE), swizzled((2,) + TILE, F32),
                plgpu.Barrier(num_arrivals=loads_per_chunk, num_barriers=_STAGES),
                plgpu.Barrier(num_arrivals=1))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
@@ -213,7 +213,7 @@ def _backward_kernel(BH, NT, H):
                                     bar)
 
         # the upper halves of the Q and dO tiles stay zero: their products add nothing
-        zeros = plgpu.layout_cast(jnp.zeros(_SHAPE, _BF16), plgpu.Layout.WGMMA)
+        zeros = plgpu.layout_cast(jnp.zeros(TILE, BF16), plgpu.Layout.WGMMA)
         for slot in range(_STAGES):
             for t in (qh, ql, dos):
                 t.at[slot][...] = zeros
@@ -225,7 +225,7 @@ def _backward_kernel(BH, NT, H):
         def step(i, g):
             c = NT - 1 - i
             slot = i % _STAGES
-            hi_, lo_ = _split(g)
+            hi_, lo_ = split(g)
             g_hi[...] = hi_
             g_lo[...] = lo_
             plgpu.commit_smem()
@@ -239,24 +239,24 @@ def _backward_kernel(BH, NT, H):
             terms = [(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
                      (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])]
             # dS_c leaves while the step's products run
-            return _products(((_SHAPE, terms, None),),
+            return _products(((TILE, terms, None),),
                              lambda: _state_out(g, stage, i % 2, dS_ref.at[bh, c]))[0]
 
         _value_out(lax.fori_loop(0, NT, step, g_init), stage, ds0_ref.at[bi, hi])
 
     # M hi / lo, [0; Q] hi / lo, [0; dO]
-    tiles = tuple(_swizzled((_STAGES,) + _SHAPE) for _ in range(5))
+    tiles = tuple(swizzled((_STAGES,) + TILE) for _ in range(5))
     B = BH // H
-    out_type = (jax.ShapeDtypeStruct((BH, NT) + _SHAPE, _F32),
-                jax.ShapeDtypeStruct((B, H) + _SHAPE, _F32))
+    out_type = (jax.ShapeDtypeStruct((BH, NT) + TILE, F32),
+                jax.ShapeDtypeStruct((B, H) + TILE, F32))
     return _launch(body, tiles, 5, B, H, out_type, "wkv7_mosaic_seq_bwd")
 
 
 def check_maps(fn: str, M_hi, M_lo, D) -> None:
     """The forward chain's contract, errors named after `fn`."""
-    if M_hi.ndim != 4 or M_hi.shape[2:] != _SHAPE:
+    if M_hi.ndim != 4 or M_hi.shape[2:] != TILE:
         raise ValueError(f"{fn}: M_hi must be [BH, NT, 64, 64], got {M_hi.shape}")
-    for name, x, dt in (("M_hi", M_hi, _BF16), ("M_lo", M_lo, _BF16), ("D", D, _F32)):
+    for name, x, dt in (("M_hi", M_hi, BF16), ("M_lo", M_lo, BF16), ("D", D, F32)):
         if x.shape != M_hi.shape or x.dtype != dt:
             raise ValueError(f"{fn}: {name} must be {dt.__name__} {M_hi.shape}, "
                              f"got {x.dtype} {x.shape}")
@@ -269,10 +269,10 @@ def forward_states(M_hi, M_lo, D, s0):
     check_maps("forward_states", M_hi, M_lo, D)
     B, H = s0.shape[:2]
     BH, NT = M_hi.shape[:2]
-    if BH != B * H or s0.shape[2:] != _SHAPE:
+    if BH != B * H or s0.shape[2:] != TILE:
         raise ValueError(f"forward_states: s0 must be [B, H, 64, 64] with B * H = {BH}, "
                          f"got {s0.shape}")
-    return _forward_kernel(BH, NT, H, False)(M_hi, M_lo, D, s0.astype(_F32))
+    return _forward_kernel(BH, NT, H, False)(M_hi, M_lo, D, s0.astype(F32))
 
 
 @functools.partial(jax.jit, static_argnames=("H",))
@@ -283,13 +283,13 @@ def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
     B = BH // H
     want_q = (BH, NT, _C, 64)
     for name, x in (("Q_hi", Q_hi), ("Q_lo", Q_lo)):
-        if x.shape != want_q or x.dtype != _BF16:
+        if x.shape != want_q or x.dtype != BF16:
             raise ValueError(f"backward_states: {name} must be bfloat16 {want_q}, got "
                              f"{x.dtype} {x.shape}")
-    if do.shape != (B, NT * _C, H, 64) or do.dtype != _BF16:
+    if do.shape != (B, NT * _C, H, 64) or do.dtype != BF16:
         raise ValueError(f"backward_states: do must be bfloat16 {(B, NT * _C, H, 64)}, got "
                          f"{do.dtype} {do.shape}")
-    return _backward_kernel(BH, NT, H)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(_F32))
+    return _backward_kernel(BH, NT, H)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(F32))
 
 
 @functools.partial(jax.jit, static_argnames=("H",))
@@ -300,10 +300,10 @@ def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, *, H):
     H, 64] bfloat16, final_state [B, H, 64, 64] float32)`."""
     check_maps("forward_outputs", M_hi, M_lo, D)
     BH, NT = M_hi.shape[:2]
-    want = {"Q_hi": ((BH, NT, _C, 64), _BF16), "Q_lo": ((BH, NT, _C, 64), _BF16),
-            "O0_t": ((BH, NT, 64, _C), _F32), "s0": ((BH // H, H, 64, 64), _F32)}
+    want = {"Q_hi": ((BH, NT, _C, 64), BF16), "Q_lo": ((BH, NT, _C, 64), BF16),
+            "O0_t": ((BH, NT, 64, _C), F32), "s0": ((BH // H, H, 64, 64), F32)}
     for (name, (shape, dt)), x in zip(want.items(), (Q_hi, Q_lo, O0_t, s0)):
         if x.shape != shape or (x.dtype != dt and name != "s0"):
             raise ValueError(f"forward_outputs: {name} must be {dt.__name__} {shape}, got "
                              f"{x.dtype} {x.shape}")
-    return _forward_kernel(BH, NT, H, True)(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0.astype(_F32))
+    return _forward_kernel(BH, NT, H, True)(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0.astype(F32))
