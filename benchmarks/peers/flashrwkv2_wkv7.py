@@ -264,7 +264,7 @@ def worker_speed(args):
     import torch
     import flashrwkv2
     from rwkvlm_clampw import speed_inputs               # ours' distribution, w as the logit
-    from torch_timer import timed
+    from torch_timer import time_wkv
     B, T, H, D = args.shapes[0]
     fn = op()
     xs = speed_inputs(B, T, H, D)
@@ -281,14 +281,9 @@ def worker_speed(args):
     torch.autograd.grad(fn(*leaves), leaves, do)
     torch.cuda.synchronize()
     first = time.perf_counter() - t0
-    f_ms = timed(lambda: fn(*xs)) * 1e3
-    fb_ms = timed(lambda: torch.autograd.grad(fn(*leaves), leaves, do)) * 1e3
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    torch.autograd.grad(fn(*leaves), leaves, do)
-    torch.cuda.synchronize()
+    f_ms, fb_ms, peak = time_wkv(fn, xs, leaves, do)
     emit(case="speed", impl=IMPL, B=B, T=T, H=H, D=D, fwd_ms=f_ms, fwdbwd_ms=fb_ms,
-         peak_gib=torch.cuda.max_memory_allocated() / 2**30, first_fwdbwd_s=round(first, 1),
+         peak_gib=peak, first_fwdbwd_s=round(first, 1),
          tuned=tune_report is not None, tuning=tune_report)
     return 0
 

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from torch_timer import timed  # benchmarks/peers/, the script's folder
+from torch_timer import time_wkv  # benchmarks/peers/, the script's folder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if ROOT not in sys.path:
@@ -124,14 +124,9 @@ def run_speed(fn, variant, shape_index):
             xs = speed_inputs(B, T, H, D)
             leaves = [x.detach().requires_grad_(True) for x in xs]
             do = torch.randn(B, T, H, D, device="cuda").to(torch.bfloat16)
-            f_ms = timed(lambda: fn(*xs)) * 1e3
-            fb_ms = timed(lambda: torch.autograd.grad(fn(*leaves), leaves, do)) * 1e3
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            torch.autograd.grad(fn(*leaves), leaves, do)
-            torch.cuda.synchronize()
+            f_ms, fb_ms, peak = time_wkv(fn, xs, leaves, do)
             emit(case="speed", impl=f"rwkvlm-{variant}", B=B, T=T, H=H, D=D, C=CHUNK_LEN,
-                 fwd_ms=f_ms, fwdbwd_ms=fb_ms, peak_gib=torch.cuda.max_memory_allocated() / 2**30)
+                 fwd_ms=f_ms, fwdbwd_ms=fb_ms, peak_gib=peak)
         except Exception as e:  # one shape's failure must not hide the others
             emit(case="speed-error", impl=f"rwkvlm-{variant}", B=B, T=T, H=H, D=D,
                  error=f"{type(e).__name__}: {e}"[:400])
