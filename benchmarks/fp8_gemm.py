@@ -27,11 +27,11 @@ no transposed copy: bfloat16 against e4m3 (e5m2 for the output gradient), float3
 accumulation (the faster of two FP8 forms that compiled to an FP8 GEMM: a dot of float8
 operands, a dot of their bf16 conversions), bfloat16 results (the weight gradient float32).
 Times are the mean of a batch of back-to-back calls with one synchronisation (median of 7
-batches). Summed over the
-model's FP8 GEMM sites (`CEILING_SITES`: TimeMix r, k, v, o and ChannelMix key, value, per
-layer; the LM head and the low-rank projections stay bf16), the bf16 - FP8 difference is
-the most an FP8 policy can take off the step; with `--step-ms` (the bf16-mixed step in ms)
-the row also gives the step speed-up that bound allows.
+batches). Summed over the model's FP8 GEMM sites (`CEILING_SITES`: TimeMix r, k, v, o and
+ChannelMix key, value, per layer; the LM head and the low-rank projections stay bf16), the
+bf16 - FP8 difference is the most an FP8 policy can take off the step; with `--step-ms` (the
+bf16-mixed step in ms) the row also gives the step speed-up that bound allows. Each product
+compiles three times (GEMM autotuning): one model's three shapes take ~5 minutes on an H200.
 """
 from __future__ import annotations
 
