@@ -48,7 +48,7 @@ def _iota_CC(C):
 
 def tri_inverse(A_CC, precision):
     """`(I - A)^{-1}` for strictly lower-triangular `A [C, C]`: the blocked form of
-    `lwm_jax.ops.wkv7.tril_inverse` (diagonal 8-blocks by doubling, then block forward substitution;
+    `lwm_jax.ops.wkv7.tril_inverse` (diagonal 8-blocks by doubling, then merged pairwise up to C;
     a plain doubling product lost all accuracy at C >= 32), every matmul on the MXU."""
     return tril_inverse.unit_lower_inverse(A_CC, lambda x, y: mm(x, y, precision))
 
