@@ -29,10 +29,13 @@ def _cli(*args, cwd=None):
 
 # (config, overrides, topology): tiny models of each family, small batches, bf16 where the
 # attention kernel needs it. Each program's Mosaic kernels are counted in the compiled HLO.
+# Two layers each (the hybrid: one RWKV-7 and one attention layer): the kernels are counted per
+# layer, so two show a missing kernel as well as four, and every layer is one more compile.
 FAMILIES = [
-    ("configs/tiny.yaml", [], "v4-8", "rwkv7"),
-    ("configs/llama-tiny.yaml", ["precision=bf16-mixed"], "v6e-4", "llama"),
-    ("configs/rwkv7-hybrid-tiny.yaml", ["precision=bf16-mixed"], "v5litepod-4", "hybrid"),
+    ("configs/tiny.yaml", ["model.n_layer=2"], "v4-8", "rwkv7"),
+    ("configs/llama-tiny.yaml", ["precision=bf16-mixed", "model.n_layer=2"], "v6e-4", "llama"),
+    ("configs/rwkv7-hybrid-tiny.yaml", ["precision=bf16-mixed", "model.n_layer=2",
+                                        "model.attention_layers=[1]"], "v5litepod-4", "hybrid"),
 ]
 
 
@@ -60,8 +63,9 @@ def test_each_model_family_compiles_for_tpu_with_its_kernels(config, overrides, 
 
 @pytest.mark.slow
 def test_two_slices_put_the_data_axis_across_them(record_property):
-    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),
-                      ["train.batch_size=16", "mesh.data=2", "mesh.fsdp=-1"], data_files=False)
+    cfg = load_config(os.path.join(ROOT, "configs/tiny.yaml"),               # 2 layers: see FAMILIES
+                      ["train.batch_size=16", "mesh.data=2", "mesh.fsdp=-1", "model.n_layer=2"],
+                      data_files=False)
     devices = topology_devices("v5p-8", num_slices=2)
     plan = compile_plan(cfg, devices, target="v5p-8", with_eval=False)
     assert plan.slices == 2 and plan.mesh == {"data": 2, "fsdp": 4, "tensor": 1, "sequence": 1}
@@ -121,7 +125,10 @@ def test_saved_step_trains_and_every_mismatch_is_refused(tmp_path):
     """On this host's CPU device: `compile --save`, then `train --compiled` runs with it; a file
     made for another config, other devices or other versions, a damaged one and a foreign one
     are each refused in one line before anything is written."""
-    over = ["train.steps=4", "train.warmup_steps=1", "train.eval_every=0", f"run_dir={tmp_path}/run"]
+    # a two-layer model of width 64 on short sequences: saving, loading and refusing a compiled
+    # step do not depend on its size, and the default tiny config's step takes longer to compile
+    over = ["model.n_layer=2", "model.n_embd=64", "train.ctx_len=32", "train.batch_size=4",
+            "train.steps=4", "train.warmup_steps=1", "train.eval_every=0", f"run_dir={tmp_path}/run"]
     saved = str(tmp_path / "step.bin")
     run = _cli("compile", "--save", saved, "--no-eval", *over)
     assert run.returncode == 0, run.stderr[-2000:]
