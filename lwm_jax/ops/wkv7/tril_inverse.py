@@ -16,11 +16,11 @@ length 8 -> 16 -> 32 ..., by the 2 x 2 block rule
     (I - [[A11, 0], [A21, A22]])^{-1} = X + X B X,   X = diag((I - A11)^{-1}, (I - A22)^{-1}),
                                                      B = [[0, 0], [A21, 0]],
 
-applied to every pair of one level at once: two products a level, log2(C / BLOCK) levels (block
-forward substitution, row by row, takes two per block row: C / BLOCK - 1 rows). At C = 32 that is
-8 products in all instead of 10, at C = 64 10 instead of 18.
-No cancelling powers either: error ~1e-7 (fp32) / ~2e-3 (TF32) in the worst case above, against
-1e11 for the doubling product.
+applied to every pair of one level at once: two products a level, ceil(log2(C / BLOCK)) levels
+(block forward substitution, row by row, takes two per block row: C / BLOCK - 1 rows). At C = 32
+that is 8 products in all instead of 10, at C = 64 10 instead of 18. No cancelling powers
+either: error ~1e-7 (fp32) / ~2e-3 (TF32) in the worst case above, against 1e11 for the
+doubling product.
 
 Works on a batch of matrices (`[..., C, C]`) in plain JAX and on one 2-D register tile inside the
 Pallas kernels: it uses only iota, comparisons, `where`, additions and the caller's matmul `mm`
@@ -63,13 +63,12 @@ def unit_lower_inverse(A, mm: Callable, block: int = BLOCK):
     eye = jnp.where(row == col, 1.0, 0.0).astype(jnp.float32)
     D = jnp.where(blk_row == blk_col, A, 0.0)
     # (I - D)^{-1} = (I + D)(I + D^2)(I + D^4)... while the power stays below the block length
-    inv_diag = eye + D
+    inv = eye + D
     power, span = D, 2
     while span < min(block, C):
         power = mm(power, power)
-        inv_diag = inv_diag + mm(inv_diag, power)
+        inv = inv + mm(inv, power)
         span *= 2
-    inv = inv_diag
     while block < C:
         # `inv` is block diagonal at length `block`; B keeps A's entries whose row lies in the
         # second and column in the first half of one 2*block block (A is strictly lower, so
