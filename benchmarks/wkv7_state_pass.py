@@ -2,7 +2,8 @@
 (`lwm_jax/ops/wkv7/mosaic_gpu/state_pass.py`) against the Pallas-Triton `seq_fwd` / `seq_bwd`
 launches they would replace: same maps, same process, same timer (`wkv7.py`'s `bench`).
 
-    python benchmarks/wkv7_state_pass.py [--shapes "8,4096,12;2,4096,32"] [--check-only]
+    python benchmarks/wkv7_state_pass.py [--shapes "8,4096,12;2,4096,32"] [--blocks-v 64,32,16]
+                                         [--check-only]
 
 Maps: the Triton chunk launch (`launches.intra_fwd`) on RWKV-7-like random bf16 inputs
 (`testing.random_wkv7_inputs`); M and Q split into bf16 hi / lo by XLA here (what the chunk
@@ -13,7 +14,8 @@ backends; the outputs o = Q S + O0 (bf16) of the forward that writes them agains
 float64. Timing: median ms of one launch: the forward chains writing the chunk states (what
 the gradient needs), the forward writing the outputs (Triton as the op runs it by default:
 `seq_fwd` with outputs, or states then `out_fwd`; Mosaic: `forward_outputs`), the backward
-chains. One JSON line per result.
+chains; the Mosaic ones at each value-block width (`block_v`: value columns per CTA). One
+JSON line per result.
 """
 from __future__ import annotations
 
@@ -36,6 +38,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--shapes", default=SHAPES, help="B,T,H;... (K = V = 64)")
     p.add_argument("--check-shape", default="2,1024,4")
+    p.add_argument("--blocks-v", default="64,32,16", help="the Mosaic chains' value blocks")
     p.add_argument("--check-only", action="store_true")
     args = p.parse_args(argv)
 
@@ -70,8 +73,11 @@ def main(argv=None):
         f = jax.jit(lambda M, Q, do, s: gk.seq_bwd(M, Q, do, s, **kw))
         return f, (p["M"], p["Q"], p["do"], p["s0"])
 
-    def mosaic_fwd(p):
-        return sp.forward_states, (*p["mh"], p["D"], p["s0"])
+    blocks = [int(x) for x in args.blocks_v.split(",")]
+
+    def mosaic_fwd(p, bv):
+        f = jax.jit(lambda mh, ml, d, s0: sp.forward_states(mh, ml, d, s0, block_v=bv))
+        return f, (*p["mh"], p["D"], p["s0"])
 
     def triton_out(p, B, H):
         """seq_fwd as the op runs it by default (outputs, or states then `out_fwd`)."""
@@ -80,13 +86,15 @@ def main(argv=None):
                                                   want_states=False, **kw)[:2])
         return f, (p["M"], p["D"], p["Q"], p["O0"], p["s0"])
 
-    def mosaic_out(p, H):
-        f = jax.jit(lambda mh, ml, d, qh, ql, o0t, s0: sp.forward_outputs(
-            mh, ml, d, qh, ql, o0t, s0, H=H))
-        return f, (*p["mh"], p["D"], *p["qh"], jnp.swapaxes(p["O0"], -1, -2), p["s0"])
+    def mosaic_out(p, H, bv):
+        f = jax.jit(lambda mh, ml, d, qh, ql, o0, s0: sp.forward_outputs(
+            mh, ml, d, qh, ql, o0, s0, H=H, block_v=bv))
+        o0 = jnp.swapaxes(p["O0"], -1, -2) if bv == 64 else p["O0"]   # as the op passes it
+        return f, (*p["mh"], p["D"], *p["qh"], o0, p["s0"])
 
-    def mosaic_bwd(p, H):
-        f = jax.jit(lambda mh, ml, qh, ql, do, s: sp.backward_states(mh, ml, qh, ql, do, s, H=H))
+    def mosaic_bwd(p, H, bv):
+        f = jax.jit(lambda mh, ml, qh, ql, do, s: sp.backward_states(mh, ml, qh, ql, do, s, H=H,
+                                                                     block_v=bv))
         return f, (*p["mh"], *p["qh"], p["do"], p["s0"])
 
     B, T, H = (int(x) for x in args.check_shape.split(","))
@@ -96,8 +104,10 @@ def main(argv=None):
                                                 p["s0"], H)
     rel = lambda x, r: float(np.linalg.norm(np.asarray(x, np.float64) - r)  # noqa: E731
                              / np.linalg.norm(r))
-    for name, run in (("triton", lambda: (triton_fwd(p), triton_bwd(p))),
-                      ("mosaic", lambda: (mosaic_fwd(p), mosaic_bwd(p, H)))):
+    backends = [("triton", lambda: (triton_fwd(p), triton_bwd(p)))] + [
+        (f"mosaic-bv{bv}", lambda bv=bv: (mosaic_fwd(p, bv), mosaic_bwd(p, H, bv)))
+        for bv in blocks]
+    for name, run in backends:
         try:
             (ff, fa), (bf, ba) = run()
             out_f = ff(*fa)
@@ -113,8 +123,8 @@ def main(argv=None):
                       np.asarray(p["Q"], np.float64), ref_states) + np.asarray(p["O0"], np.float64)
     NT = T // C
     ref_o = ref_o.reshape(B, H, NT * C, 64).transpose(0, 2, 1, 3)
-    for name, run in (("triton-out", lambda: triton_out(p, B, H)),
-                      ("mosaic-out", lambda: mosaic_out(p, H))):
+    for name, run in [("triton-out", lambda: triton_out(p, B, H))] + [
+            (f"mosaic-out-bv{bv}", lambda bv=bv: mosaic_out(p, H, bv)) for bv in blocks]:
         try:
             f, a = run()
             o, sT = f(*a)
@@ -128,12 +138,14 @@ def main(argv=None):
     for shape in args.shapes.split(";"):
         B, T, H = (int(x) for x in shape.split(","))
         p = maps(B, T, H)
-        for name, fn in (("triton-seq_fwd", lambda: triton_fwd(p)),
-                         ("mosaic-seq_fwd", lambda: mosaic_fwd(p)),
-                         ("triton-seq_fwd-default", lambda: triton_out(p, B, H)),
-                         ("mosaic-seq_fwd-out", lambda: mosaic_out(p, H)),
-                         ("triton-seq_bwd", lambda: triton_bwd(p)),
-                         ("mosaic-seq_bwd", lambda: mosaic_bwd(p, H))):
+        runs = [("triton-seq_fwd", lambda: triton_fwd(p)),
+                ("triton-seq_fwd-default", lambda: triton_out(p, B, H)),
+                ("triton-seq_bwd", lambda: triton_bwd(p))]
+        for bv in blocks:
+            runs += [(f"mosaic-seq_fwd-bv{bv}", lambda bv=bv: mosaic_fwd(p, bv)),
+                     (f"mosaic-seq_fwd-out-bv{bv}", lambda bv=bv: mosaic_out(p, H, bv)),
+                     (f"mosaic-seq_bwd-bv{bv}", lambda bv=bv: mosaic_bwd(p, H, bv))]
+        for name, fn in runs:
             try:
                 f, a = fn()
                 emit(case="time", what=name, B=B, T=T, H=H, ms=round(bench(f, *a) * 1e3, 4))

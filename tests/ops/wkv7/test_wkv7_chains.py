@@ -36,8 +36,9 @@ def _pair(hi, lo):
 
 
 def _forward_standin(calls):
-    def forward(M_hi, M_lo, D, s0):
+    def forward(M_hi, M_lo, D, s0, *, block_v=64):
         calls.append("forward")
+        assert block_v in (16, 32, 64)
         M = _pair(M_hi, M_lo)
         B, H = s0.shape[:2]
 
@@ -51,8 +52,9 @@ def _forward_standin(calls):
 
 
 def _backward_standin(calls):
-    def backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
+    def backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H, block_v=64):
         calls.append("backward")
+        assert block_v in (16, 32, 64)
         assert do.dtype == jnp.bfloat16
         M, Q = _pair(M_hi, M_lo), _pair(Q_hi, Q_lo)
         BH, NT = M.shape[:2]
@@ -74,14 +76,15 @@ def _backward_standin(calls):
 
 def _forward_out_standin(calls):
     """The forward chain that writes the outputs: o = Q S + O0 per chunk, from the same
-    states as `_forward_standin`, O0 taken transposed as the chunk launch writes it."""
+    states as `_forward_standin`, O0 taken transposed at 64 value columns per CTA and as is at
+    fewer, as the chunk launch writes it for each."""
     forward = _forward_standin([])
 
-    def forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, *, H):
+    def forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64):
         calls.append("forward_out")
-        states, sT = forward(M_hi, M_lo, D, s0)
-        o = (jnp.einsum("nclk,nckv->nclv",
-                        _pair(Q_hi, Q_lo), states, precision=_HI) + O0_t.swapaxes(-1, -2))
+        states, sT = forward(M_hi, M_lo, D, s0, block_v=block_v)
+        O0 = O0.swapaxes(-1, -2) if block_v == 64 else O0
+        o = jnp.einsum("nclk,nckv->nclv", _pair(Q_hi, Q_lo), states, precision=_HI) + O0
         BH, NT, Cc, V = o.shape
         B = BH // H
         o = o.reshape(B, H, NT * Cc, V).transpose(0, 2, 1, 3).astype(jnp.bfloat16)
@@ -148,14 +151,17 @@ def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
 
 
 @_needs_xla_cpu
-def test_forward_only_calls_run_the_output_chain_only_when_primal():
-    """Forward-only calls: the chain that writes the outputs (transposed O0 from the chunk
-    launch) where `primal`, else the Triton launches; same outputs and final state."""
+@pytest.mark.parametrize("block_v", [64, 16])
+def test_forward_only_calls_run_the_output_chain_only_when_primal(block_v):
+    """Forward-only calls: the chain that writes the outputs (O0 from the chunk launch,
+    transposed for 64 value columns per CTA) where `primal`, else the Triton launches; same
+    outputs and final state."""
     xs, s0, seg, _, _ = _problem(1, 2, 83, 2, 128)
     ref = wkv7_gpu(*xs, s0, seg, 32, interpret=True)
     for primal, expect in ((False, []), (True, ["forward_out"] * 2)):   # two value blocks
         calls = []
-        got = wkv7_gpu(*xs, s0, seg, 32, interpret=True, chains=_chains(calls, primal))
+        got = wkv7_gpu(*xs, s0, seg, 32, interpret=True, chains=_chains(calls, primal),
+                       tuning=Tuning(block_v_chain=block_v))
         assert calls == expect
         assert max(rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, ref)) < 1e-4
 
@@ -189,10 +195,12 @@ def _mosaic_or_skip():
 
 
 @pytest.mark.gpu
-def test_mosaic_chains_match_float64_chains():
-    """Both chains on the chunk launch's maps of random inputs, against the same chains in
-    float64 on the same float32 maps: the bf16x3 products keep every chunk state and every
-    state cotangent within 2e-5 (the Triton TF32 launches: ~1e-6 / ~2e-4, measured)."""
+@pytest.mark.parametrize("block_v", [64, 32, 16])
+def test_mosaic_chains_match_float64_chains(block_v):
+    """Both chains (`block_v` value columns per CTA) on the chunk launch's maps of random
+    inputs, against the same chains in float64 on the same float32 maps: the bf16x3 products
+    keep every chunk state and every state cotangent within 2e-5 (the Triton TF32 launches:
+    ~1e-6 / ~2e-4, measured)."""
     sp = _mosaic_or_skip()
     from lwm_jax.ops.wkv7.pallas_gpu import launches
     B, T, H = 2, 1024, 3
@@ -201,8 +209,8 @@ def test_mosaic_chains_match_float64_chains():
               tune=launches.resolve(Tuning(), C, B * H, 64))
     M_hi, M_lo, D, Q_hi, Q_lo, _ = launches.intra_fwd(*xs, None, want_inv=False, split_mq=True,
                                                       **kw)
-    states, sT = sp.forward_states(M_hi, M_lo, D, s0)
-    dS, ds0 = sp.backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
+    states, sT = sp.forward_states(M_hi, M_lo, D, s0, block_v=block_v)
+    dS, ds0 = sp.backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H, block_v=block_v)
     f64 = lambda x: np.asarray(jnp.asarray(x, _F32), np.float64)  # noqa: E731
     want_states, S, want_dS, g = chunk_chains_f64(f64(_pair(M_hi, M_lo)), D,
                                                   f64(_pair(Q_hi, Q_lo)), do, s0, dsT, H)
@@ -210,11 +218,11 @@ def test_mosaic_chains_match_float64_chains():
             "dS": rel_err(dS, want_dS), "ds0": rel_err(ds0, g.reshape(ds0.shape))}
     assert max(errs.values()) < 2e-5, errs
     # the chain that writes the outputs: the same final state, o within its bf16 rounding
-    M_hi, M_lo, D, Q_hi, Q_lo, O0_t = launches.intra_fwd(*xs, None, want_inv=False,
-                                                         split_mq=True, o0_t=True, **kw)
-    o, sT_o = sp.forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H)
+    M_hi, M_lo, D, Q_hi, Q_lo, O0 = launches.intra_fwd(*xs, None, want_inv=False, split_mq=True,
+                                                       o0_t=block_v == 64, **kw)
+    o, sT_o = sp.forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=H, block_v=block_v)
     want_o = (np.einsum("nclk,nckv->nclv", f64(_pair(Q_hi, Q_lo)), want_states)
-              + f64(O0_t).swapaxes(-1, -2))
+              + (f64(O0).swapaxes(-1, -2) if block_v == 64 else f64(O0)))
     want_o = want_o.reshape(B, H, T, 64).transpose(0, 2, 1, 3)
     rounding = rel_err(jnp.asarray(want_o, jnp.bfloat16).astype(_F32), want_o)
     errs_o = {"final": rel_err(sT_o, S.reshape(sT.shape)), "o": rel_err(o.astype(_F32), want_o)}
@@ -223,17 +231,19 @@ def test_mosaic_chains_match_float64_chains():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("B,T,H,V", [(2, 300, 2, 64), (1, 256, 2, 128)])
-def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V):
-    """The whole op (bf16, documents, an initial state) with the Mosaic chains against float64:
-    every output and gradient error at most 2% above the Triton chains' (same call), and within
-    bf16 rounding (5e-3)."""
+@pytest.mark.parametrize("block_v", [64, 16])
+def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V, block_v):
+    """The whole op (bf16, documents, an initial state) with the Mosaic chains (`block_v`
+    value columns per CTA) against float64: every output and gradient error at most 2% above
+    the Triton chains' (same call), and within bf16 rounding (5e-3)."""
     _mosaic_or_skip()
     xs, s0, seg, do, dsT = _problem(4, B, T, H, V)
     ref_o, ref_s, ref_g = wkv7_reference_vjp_f64(xs, s0, seg, np.asarray(do, np.float64), dsT)
     refs = [ref_o, ref_s, *[ref_g[n] for n in "rwkvab"], ref_g["initial_state"]]
     errs = {}
     for chains in ("triton", "mosaic"):
-        fn = lambda xs, s0: wkv7_pallas(*xs, s0, seg, 32, tuning=Tuning(chains=chains))  # noqa
+        tune = Tuning(chains=chains, block_v_chain=block_v if chains == "mosaic" else None)
+        fn = lambda xs, s0: wkv7_pallas(*xs, s0, seg, 32, tuning=tune)  # noqa: E731
         errs[chains] = [rel_err(x.astype(_F32), r) for x, r in zip(_vjp(fn, xs, s0, do, dsT),
                                                                    refs)]
         o, sT = fn(xs, s0)   # forward-only ("mosaic": the chain writing the outputs)

@@ -236,3 +236,7 @@ def test_sequential_launch_defaults_leave_one_program_per_sm():
     assert not resolve(None, 32, 66, 64, sm_count=132).split_out  # 264 = 2 x 132
     fixed = resolve(Tuning(block_v=16, block_v_bwd=16, stages_seq=2), 32, 64, 64, sm_count=132)
     assert (fixed.block_v, fixed.block_v_bwd, fixed.stages_seq) == (16, 16, 2)
+    # the Mosaic chains' value blocks: the same one-wave rule
+    assert [resolve(None, 32, bh, 64, sm_count=132).block_v_chain
+            for bh in (8, 32, 64, 96, 512)] == [16, 16, 32, 64, 64]
+    assert resolve(Tuning(block_v_chain=64), 32, 32, 64, sm_count=132).block_v_chain == 64

@@ -22,13 +22,17 @@ Returns float32: `states` [BH, NT, 64, 64] (S_c, the start state of every chunk)
 state [B, H, 64, 64]; o [B, NT * 32, H, 64] bfloat16; `dS_end` [BH, NT, 64, 64] (dS_c) and
 d(initial state) [B, H, 64, 64].
 
-Design. One CTA (one warpgroup) per head carries the state in float32 registers as the wgmma
-accumulator. Per chunk the state is split into bf16 hi / lo tiles in shared memory and the
-step is one accumulation of bf16 products ("bf16x3": M_hi S_hi + M_hi S_lo + M_lo S_hi, about
-16 significant bits per operand, more than the TF32 products of the Triton launches); the
+Design. One CTA (one warpgroup) per head and block of value columns (`block_v` = 64, 32 or 16:
+the columns evolve independently) carries its [64, block_v] part of the state in float32
+registers as the wgmma accumulator; narrower blocks mean more CTAs for few heads and a shorter
+step (less to split, store and multiply per chunk), at the cost of reading M once per block.
+Per chunk the state is split into bf16 hi / lo tiles in shared memory and the step is one
+accumulation of bf16 products ("bf16x3": M_hi S_hi + M_hi S_lo + M_lo S_hi, about 16
+significant bits per operand, more than the TF32 products of the Triton launches); the
 backward adds Q^T dO as two products (dO is bf16 already; its 32 rows sit in the lower half of
 a 64-row tile whose upper half, and Q's, stay zero); the outputs are three more products of
-the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed). TMA brings the
+the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed; with narrower
+blocks o_c = Q_c S_c + O0_c, Q_c in the upper half of a 64-row tile). TMA brings the
 maps of the next `_STAGES - 1` chunks while a chunk runs; every chunk's state (or outputs)
 leaves through TMA from one of two staging tiles, stored while the step's products are in
 flight. Both operands of every product come from shared memory, so the accumulator is the only
@@ -50,7 +54,7 @@ _C = 32       # chunk length the Triton chunk launches use
 
 
 def _state_out(x, stage, slot, dst):
-    """Stores the float32 [64, 64] register tile `x` into staging tile `slot` and sends it to
+    """Stores the float32 [64, BV] register tile `x` into staging tile `slot` and sends it to
     `dst` (HBM) by TMA; the staging tile used two stores ago must have been read out."""
     plgpu.wait_smem_to_gmem(1, wait_read_only=True)
     stage.at[slot][...] = x
@@ -59,7 +63,7 @@ def _state_out(x, stage, slot, dst):
 
 
 def _value_in(src, stage, bar):
-    """The chain's start value [64, 64] float32 from HBM `src`, through staging tile 1."""
+    """The chain's start value [64, BV] float32 from HBM `src`, through staging tile 1."""
     plgpu.copy_gmem_to_smem(src, stage.at[1], bar)
     plgpu.barrier_wait(bar)
     return load(stage.at[1])
@@ -94,12 +98,17 @@ def _products(groups, during=None):
     return lax.optimization_barrier(tuple(outs))
 
 
-def _forward_kernel(BH, NT, H, with_out):
-    """The forward chain. It writes every chunk's start state (for the backward), or with
-    `with_out` every chunk's outputs o_c = Q_c S_c + O0_c instead, formed transposed beside the
-    chain's product of the same step (o_c^T = S_c^T Q_c^T + O0_c^T: the state's bf16 tiles are
-    the A operand, 64 value rows, N = 32 tokens)."""
+def _forward_kernel(BH, NT, H, with_out, BV=64):
+    """The forward chain over value columns [j BV, (j + 1) BV) of each head (grid B x H x
+    64 / BV). It writes every chunk's start state (for the backward), or with `with_out` every
+    chunk's outputs o_c = Q_c S_c + O0_c instead, formed beside the chain's product of the
+    same step: at BV = 64 transposed (o_c^T = S_c^T Q_c^T + O0_c^T: the state's bf16 tiles are
+    the A operand, 64 value rows, N = C tokens), at narrower blocks as Q_c S_c with Q_c in the
+    upper half of a 64-row tile whose lower half (and O0's) stays zero (wgmma needs 64 rows)."""
     B = BH // H
+    C = _C
+    narrow = BV < 64
+    val = (64, BV)
 
     def body(*refs):
         n_in = 7 if with_out else 4
@@ -110,32 +119,48 @@ def _forward_kernel(BH, NT, H, with_out):
             qh_ref, ql_ref, o0_ref = ins[3:6]
             qh, ql, o0s, o_stage = scratch[3:7]
         s_hi, s_lo, stage, load_bar, s0_bar = scratch[-5:]
-        bi, hi = lax.axis_index("b"), lax.axis_index("h")
+        bi, hi, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
         bh = bi * H + hi
+        cols = pl.ds(j * BV, BV)
+        top = pl.ds(0, C)
 
         def issue(c):
             slot = c % _STAGES
             bar = load_bar.at[slot]
             plgpu.copy_gmem_to_smem(mh_ref.at[bh, c], mh.at[slot], bar)
             plgpu.copy_gmem_to_smem(ml_ref.at[bh, c], ml.at[slot], bar)
-            plgpu.copy_gmem_to_smem(d_ref.at[bh, c], ds.at[slot], bar)
-            if with_out:
+            plgpu.copy_gmem_to_smem(d_ref.at[bh, c, :, cols], ds.at[slot], bar)
+            if with_out and narrow:
+                plgpu.copy_gmem_to_smem(qh_ref.at[bh, c], qh.at[slot, top], bar)
+                plgpu.copy_gmem_to_smem(ql_ref.at[bh, c], ql.at[slot, top], bar)
+                plgpu.copy_gmem_to_smem(o0_ref.at[bh, c, :, cols], o0s.at[slot, top], bar)
+            elif with_out:
                 plgpu.copy_gmem_to_smem(qh_ref.at[bh, c], qh.at[slot], bar)
                 plgpu.copy_gmem_to_smem(ql_ref.at[bh, c], ql.at[slot], bar)
                 plgpu.copy_gmem_to_smem(o0_ref.at[bh, c], o0s.at[slot], bar)
 
+        if with_out and narrow:  # the lower halves stay zero: their products add nothing
+            for slot in range(_STAGES):
+                for t, dt in ((qh, BF16), (ql, BF16), (o0s, F32)):
+                    t.at[slot][...] = plgpu.layout_cast(jnp.zeros(t.shape[1:], dt), WG)
+            plgpu.commit_smem()
         for c in range(min(_STAGES - 1, NT)):
             issue(c)
-        s_init = _value_in(ins[-1].at[bi, hi], stage, s0_bar)
+        s_init = _value_in(ins[-1].at[bi, hi, :, cols], stage, s0_bar)
 
-        def o_out(o_t, c):
-            """Chunk c's o^T leaves as o: the transposed register layout stores into the
-            staging tile's transposed view; the tile used two chunks ago must have been read."""
+        def o_out(o, c):
+            """Chunk c's outputs leave as o [C, BV]; the staging tile used two chunks ago
+            must have been read."""
             plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-            o_stage.at[c % 2].T[...] = plgpu.layout_cast(o_t.astype(BF16),
-                                                         plgpu.Layout.WGMMA_TRANSPOSED)
+            if narrow:
+                o_stage.at[c % 2][...] = o.astype(BF16)
+                src = o_stage.at[c % 2, top]
+            else:   # o^T: the transposed register layout stores into the transposed view
+                o_stage.at[c % 2].T[...] = plgpu.layout_cast(o.astype(BF16),
+                                                             plgpu.Layout.WGMMA_TRANSPOSED)
+                src = o_stage.at[c % 2]
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(o_stage.at[c % 2], x_ref.at[bi, pl.ds(c * _C, _C), hi])
+            plgpu.copy_smem_to_gmem(src, x_ref.at[bi, pl.ds(c * C, C), hi, cols])
 
         def step(c, carry):
             s, o_prev = carry if with_out else (carry, None)
@@ -150,55 +175,72 @@ def _forward_kernel(BH, NT, H, with_out):
                 issue(c + _STAGES - 1)
 
             plgpu.barrier_wait(load_bar.at[slot])
-            chain = (TILE, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
+            chain = (val, [(mh.at[slot], s_hi), (mh.at[slot], s_lo), (ml.at[slot], s_hi)],
                      load(ds.at[slot]))
             if not with_out:   # S_c leaves while the step's products run
                 return _products((chain,), lambda: _state_out(s, stage, c % 2,
-                                                              x_ref.at[bh, c]))[0]
-            q_hi_t, q_lo_t = qh.at[slot].T, ql.at[slot].T
-            out = ((TILE[1], _C), [(s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)],
-                   load(o0s.at[slot]))
+                                                              x_ref.at[bh, c, :, cols]))[0]
+            if narrow:
+                out = (val, [(qh.at[slot], s_hi), (qh.at[slot], s_lo), (ql.at[slot], s_hi)],
+                       load(o0s.at[slot]))
+            else:
+                q_hi_t, q_lo_t = qh.at[slot].T, ql.at[slot].T
+                out = ((TILE[1], C), [(s_hi.T, q_hi_t), (s_lo.T, q_hi_t), (s_hi.T, q_lo_t)],
+                       load(o0s.at[slot]))
             # chunk c - 1's outputs leave while chunk c's products run
             return _products((chain, out), pl.when(c > 0)(lambda: o_out(o_prev, c - 1)))
 
         if not with_out:
-            _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi])
+            _value_out(lax.fori_loop(0, NT, step, s_init), stage, sT_ref.at[bi, hi, :, cols])
             return
-        o_init = plgpu.layout_cast(jnp.zeros((TILE[1], _C), F32), WG)
+        o_shape = val if narrow else (TILE[1], C)
+        o_init = plgpu.layout_cast(jnp.zeros(o_shape, F32), WG)
         s_last, o_last = lax.fori_loop(0, NT, step, (s_init, o_init))
         o_out(o_last, NT - 1)
-        _value_out(s_last, stage, sT_ref.at[bi, hi])
+        _value_out(s_last, stage, sT_ref.at[bi, hi, :, cols])
 
-    ring = lambda shape, dtype=BF16: swizzled((_STAGES,) + shape, dtype)  # noqa: E731
-    tiles = [ring(TILE), ring(TILE), ring(TILE, F32)]                 # M hi / lo, D
+    def ring(shape, dtype=BF16, swizzle=None):
+        return swizzled((_STAGES,) + shape, dtype, swizzle)
+    opnd = 2 * BV   # the A operands' swizzle: the bytes of the B operands' bf16 rows
+    tiles = [ring(TILE, BF16, opnd), ring(TILE, BF16, opnd), ring(val, F32)]   # M hi / lo, D
+    if with_out and narrow:
+        tiles += [ring(TILE, BF16, opnd), ring(TILE, BF16, opnd),         # [Q; 0] hi / lo
+                  ring(val, F32), swizzled((2,) + val)]                    # [O0; 0], o staging
+    elif with_out:
+        tiles += [ring((C, 64)), ring((C, 64)), ring((64, C), F32),         # Q hi / lo, O0^T
+                  swizzled((2, C, 64))]                                    # o staging
     if with_out:
-        tiles += [ring((_C, 64)), ring((_C, 64)), ring((64, _C), F32),      # Q hi / lo, O0^T
-                  swizzled((2, _C, 64))]                                   # o staging
-        first = jax.ShapeDtypeStruct((B, NT * _C, H, 64), BF16)
+        first = jax.ShapeDtypeStruct((B, NT * C, H, 64), BF16)
     else:
         first = jax.ShapeDtypeStruct((BH, NT) + TILE, F32)
     out_type = (first, jax.ShapeDtypeStruct((B, H) + TILE, F32))
     name = "wkv7_mosaic_seq_fwd" + ("_out" if with_out else "")
-    return _launch(body, tiles, 6 if with_out else 3, B, H, out_type, name)
+    return _launch(body, tiles, 6 if with_out else 3, B, H, out_type, name, BV)
 
 
-def _launch(body, tiles, loads_per_chunk, B, H, out_type, name):
-    """`plgpu.kernel` of a chain: grid (B, H), one warpgroup; scratch = `tiles` (the maps'
-    ring and what else the chain needs), the state's bf16 hi / lo operand tiles, two float32
-    [64, 64] staging tiles, the ring's barriers and one for the start value."""
-    scratch = (*tiles, swizzled(TILE), swizzled(TILE), swizzled((2,) + TILE, F32),
+def _launch(body, tiles, loads_per_chunk, B, H, out_type, name, BV):
+    """`plgpu.kernel` of a chain: grid (B, H, 64 / BV), one warpgroup; scratch = `tiles` (the
+    maps' ring and what else the chain needs), the carried value's bf16 hi / lo operand tiles
+    [64, BV], two float32 [64, BV] staging tiles, the ring's barriers and one for the start
+    value."""
+    val = (64, BV)
+    scratch = (*tiles, swizzled(val), swizzled(val), swizzled((2,) + val, F32),
                plgpu.Barrier(num_arrivals=loads_per_chunk, num_barriers=_STAGES),
                plgpu.Barrier(num_arrivals=1))
     params = plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane)
-    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch, grid=(B, H),
-                        grid_names=("b", "h"), compiler_params=params, kernel_name=name)
+    return plgpu.kernel(body, out_type=tuple(out_type), scratch_types=scratch,
+                        grid=(B, H, 64 // BV), grid_names=("b", "h", "j"),
+                        compiler_params=params, kernel_name=name)
 
 
-def _backward_kernel(BH, NT, H):
+def _backward_kernel(BH, NT, H, BV=64):
+    val = (64, BV)
+
     def body(mh_ref, ml_ref, qh_ref, ql_ref, do_ref, dsT_ref, dS_ref, ds0_ref,
              mh, ml, qh, ql, dos, g_hi, g_lo, stage, load_bar, s0_bar):
-        bi, hi = lax.axis_index("b"), lax.axis_index("h")
+        bi, hi, j = lax.axis_index("b"), lax.axis_index("h"), lax.axis_index("j")
         bh = bi * H + hi
+        cols = pl.ds(j * BV, BV)
         bottom = pl.ds(_C, _C)
 
         def issue(i):
@@ -209,18 +251,17 @@ def _backward_kernel(BH, NT, H):
             plgpu.copy_gmem_to_smem(ml_ref.at[bh, c], ml.at[slot], bar)
             plgpu.copy_gmem_to_smem(qh_ref.at[bh, c], qh.at[slot, bottom], bar)
             plgpu.copy_gmem_to_smem(ql_ref.at[bh, c], ql.at[slot, bottom], bar)
-            plgpu.copy_gmem_to_smem(do_ref.at[bi, pl.ds(c * _C, _C), hi], dos.at[slot, bottom],
-                                    bar)
+            plgpu.copy_gmem_to_smem(do_ref.at[bi, pl.ds(c * _C, _C), hi, cols],
+                                    dos.at[slot, bottom], bar)
 
         # the upper halves of the Q and dO tiles stay zero: their products add nothing
-        zeros = plgpu.layout_cast(jnp.zeros(TILE, BF16), plgpu.Layout.WGMMA)
         for slot in range(_STAGES):
             for t in (qh, ql, dos):
-                t.at[slot][...] = zeros
+                t.at[slot][...] = plgpu.layout_cast(jnp.zeros(t.shape[1:], BF16), WG)
         plgpu.commit_smem()
         for i in range(min(_STAGES - 1, NT)):
             issue(i)
-        g_init = _value_in(dsT_ref.at[bi, hi], stage, s0_bar)
+        g_init = _value_in(dsT_ref.at[bi, hi, :, cols], stage, s0_bar)
 
         def step(i, g):
             c = NT - 1 - i
@@ -239,17 +280,19 @@ def _backward_kernel(BH, NT, H):
             terms = [(m_hi_t, g_hi), (m_hi_t, g_lo), (m_lo_t, g_hi),
                      (qh.at[slot].T, dos.at[slot]), (ql.at[slot].T, dos.at[slot])]
             # dS_c leaves while the step's products run
-            return _products(((TILE, terms, None),),
-                             lambda: _state_out(g, stage, i % 2, dS_ref.at[bh, c]))[0]
+            return _products(((val, terms, None),),
+                             lambda: _state_out(g, stage, i % 2, dS_ref.at[bh, c, :, cols]))[0]
 
-        _value_out(lax.fori_loop(0, NT, step, g_init), stage, ds0_ref.at[bi, hi])
+        _value_out(lax.fori_loop(0, NT, step, g_init), stage, ds0_ref.at[bi, hi, :, cols])
 
-    # M hi / lo, [0; Q] hi / lo, [0; dO]
-    tiles = tuple(swizzled((_STAGES,) + TILE) for _ in range(5))
+    # M hi / lo, [0; Q] hi / lo (the A operands: the swizzle of the B operands' bf16 rows),
+    # [0; dO]
+    tiles = (tuple(swizzled((_STAGES,) + TILE, BF16, 2 * BV) for _ in range(4))
+             + (swizzled((_STAGES,) + val),))
     B = BH // H
     out_type = (jax.ShapeDtypeStruct((BH, NT) + TILE, F32),
                 jax.ShapeDtypeStruct((B, H) + TILE, F32))
-    return _launch(body, tiles, 5, B, H, out_type, "wkv7_mosaic_seq_bwd")
+    return _launch(body, tiles, 5, B, H, out_type, "wkv7_mosaic_seq_bwd", BV)
 
 
 def check_maps(fn: str, M_hi, M_lo, D) -> None:
@@ -262,23 +305,33 @@ def check_maps(fn: str, M_hi, M_lo, D) -> None:
                              f"got {x.dtype} {x.shape}")
 
 
-@jax.jit
-def forward_states(M_hi, M_lo, D, s0):
-    """Forward chain (module docstring). `s0` [B, H, 64, 64] float32. Returns
-    `(states [BH, NT, 64, 64], final_state [B, H, 64, 64])`, float32."""
+BLOCKS_V = (16, 32, 64)   # value columns per CTA the chains take
+
+
+def _check_block(fn: str, block_v) -> None:
+    if block_v not in BLOCKS_V:
+        raise ValueError(f"{fn}: block_v must be one of {BLOCKS_V}, got {block_v!r}")
+
+
+@functools.partial(jax.jit, static_argnames=("block_v",))
+def forward_states(M_hi, M_lo, D, s0, *, block_v=64):
+    """Forward chain (module docstring), `block_v` value columns per CTA. `s0` [B, H, 64, 64]
+    float32. Returns `(states [BH, NT, 64, 64], final_state [B, H, 64, 64])`, float32."""
     check_maps("forward_states", M_hi, M_lo, D)
+    _check_block("forward_states", block_v)
     B, H = s0.shape[:2]
     BH, NT = M_hi.shape[:2]
     if BH != B * H or s0.shape[2:] != TILE:
         raise ValueError(f"forward_states: s0 must be [B, H, 64, 64] with B * H = {BH}, "
                          f"got {s0.shape}")
-    return _forward_kernel(BH, NT, H, False)(M_hi, M_lo, D, s0.astype(F32))
+    return _forward_kernel(BH, NT, H, False, BV=block_v)(M_hi, M_lo, D, s0.astype(F32))
 
 
-@functools.partial(jax.jit, static_argnames=("H",))
-def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
-    """Backward chain (module docstring). Returns `(dS_end [BH, NT, 64, 64], d_initial_state
-    [B, H, 64, 64])`, float32."""
+@functools.partial(jax.jit, static_argnames=("H", "block_v"))
+def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H, block_v=64):
+    """Backward chain (module docstring), `block_v` value columns per CTA. Returns `(dS_end
+    [BH, NT, 64, 64], d_initial_state [B, H, 64, 64])`, float32."""
+    _check_block("backward_states", block_v)
     BH, NT = M_hi.shape[:2]
     B = BH // H
     want_q = (BH, NT, _C, 64)
@@ -289,21 +342,25 @@ def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H):
     if do.shape != (B, NT * _C, H, 64) or do.dtype != BF16:
         raise ValueError(f"backward_states: do must be bfloat16 {(B, NT * _C, H, 64)}, got "
                          f"{do.dtype} {do.shape}")
-    return _backward_kernel(BH, NT, H)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(F32))
+    return _backward_kernel(BH, NT, H, block_v)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(F32))
 
 
-@functools.partial(jax.jit, static_argnames=("H",))
-def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, *, H):
-    """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`).
-    `Q_hi, Q_lo` [BH, NT, 32, 64] bfloat16 (a `split_bf16` pair), `O0_t` [BH, NT, 64, 32]
-    float32 (each chunk's O0 transposed: value rows, token columns). Returns `(o [B, NT * 32,
-    H, 64] bfloat16, final_state [B, H, 64, 64] float32)`."""
+@functools.partial(jax.jit, static_argnames=("H", "block_v"))
+def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64):
+    """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`),
+    `block_v` value columns per CTA. `Q_hi, Q_lo` [BH, NT, 32, 64] bfloat16 (a `split_bf16`
+    pair); `O0` float32, each chunk's O0 transposed [BH, NT, 64, 32] (value rows, token
+    columns) at `block_v` = 64, else as is [BH, NT, 32, 64]. Returns `(o [B, NT * 32, H, 64]
+    bfloat16, final_state [B, H, 64, 64] float32)`."""
     check_maps("forward_outputs", M_hi, M_lo, D)
+    _check_block("forward_outputs", block_v)
     BH, NT = M_hi.shape[:2]
     want = {"Q_hi": ((BH, NT, _C, 64), BF16), "Q_lo": ((BH, NT, _C, 64), BF16),
-            "O0_t": ((BH, NT, 64, _C), F32), "s0": ((BH // H, H, 64, 64), F32)}
-    for (name, (shape, dt)), x in zip(want.items(), (Q_hi, Q_lo, O0_t, s0)):
+            "O0": ((BH, NT) + ((64, _C) if block_v == 64 else (_C, 64)), F32),
+            "s0": ((BH // H, H, 64, 64), F32)}
+    for (name, (shape, dt)), x in zip(want.items(), (Q_hi, Q_lo, O0, s0)):
         if x.shape != shape or (x.dtype != dt and name != "s0"):
             raise ValueError(f"forward_outputs: {name} must be {dt.__name__} {shape}, got "
                              f"{x.dtype} {x.shape}")
-    return _forward_kernel(BH, NT, H, True)(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0.astype(F32))
+    return _forward_kernel(BH, NT, H, True, BV=block_v)(M_hi, M_lo, D, Q_hi, Q_lo, O0,
+                                                        s0.astype(F32))

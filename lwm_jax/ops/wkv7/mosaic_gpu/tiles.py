@@ -28,11 +28,14 @@ TILE = (64, 64)
 split = split_bf16    # float32 register tile -> (hi, lo) bfloat16, x ~= hi + lo
 
 
-def swizzled(shape, dtype=BF16):
-    """A shared-memory buffer of `shape` (last dim 64), tiled (8, 128 bytes) and 128-byte
-    swizzled: the wgmma operand and TMA layout."""
+def swizzled(shape, dtype=BF16, swizzle=None):
+    """A shared-memory buffer of `shape`, tiled (8, `swizzle` bytes) and `swizzle`-byte
+    swizzled: the wgmma operand and TMA layout. `swizzle` None: the widest the rows allow (128
+    bytes for 64 bf16 columns); a wgmma's two operands must share one (a [64, 64] operand
+    beside a 32-column one takes 64)."""
     itemsize = jnp.dtype(dtype).itemsize
-    swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
+    if swizzle is None:
+        swizzle = plgpu.find_swizzle(shape[-1] * itemsize * 8)
     return plgpu.SMEM(shape, dtype, transforms=(
         plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)))
 

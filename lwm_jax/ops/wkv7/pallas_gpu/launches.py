@@ -50,6 +50,7 @@ class Tuning(NamedTuple):
     split_out: bool | None = None   # outputs o = Q S + O0 in a chunk-parallel launch (out_fwd)
     bwd_form: str | None = None     # one-launch backward: "rows" (tiles) or "stacked"
                                     # (tiles_bwd_stacked); IEEE-fp32 mode always uses "rows"
+    block_v_chain: int | None = None  # value columns per CTA of the Mosaic chains: 16, 32, 64
     chains: str | None = None       # the chunk chains: "triton" (seq_fwd / seq_bwd) or "mosaic"
                                     # (mosaic_gpu/state_pass.py); None: lwm_jax.ops.wkv7.pallas
                                     # picks by the measured rule (`mosaic_chains`)
@@ -73,7 +74,9 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     fewest columns per program that still leave at most one program per SM (`sm_count`;
     default: the first device's, 132 off a GPU): on an H100's 132 SMs, seq_bwd 32 columns at
     64 heads, 64 at 96 (`benchmarks/wkv7.py sweep` times the launches; figures in
-    benchmarks/RESULTS-log.md).
+    benchmarks/RESULTS-log.md). The Mosaic chains follow the same rule (16 value columns per
+    CTA at 32 heads, 32 at 64, 64 from 96 on an H200: the chain's step is latency-bound, and
+    narrower columns shorten it while the CTAs still fit one wave).
     """
     tune = tune or Tuning()
     small = C <= 32
@@ -97,7 +100,8 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
         warps_intra=pick(tune.warps_intra, 4 if small else 8), warps_seq=pick(tune.warps_seq, 4),
         warps_bwd=pick(tune.warps_bwd, 8 if form == "rows" else 4),
         stages_seq=pick(tune.stages_seq, 3), split_bwd=pick(tune.split_bwd, not small),
-        split_out=split_out, bwd_form=form, chains=tune.chains)
+        split_out=split_out, bwd_form=form,
+        block_v_chain=pick(tune.block_v_chain, one_wave((16, 32, 64))), chains=tune.chains)
 
 
 def _sm_count(default: int = 132) -> int:

@@ -38,13 +38,14 @@ PRECISIONS = {"default": jax.lax.Precision.DEFAULT, "high": jax.lax.Precision.HI
 class Chains(NamedTuple):
     """Chunk chains run instead of the Triton `seq_fwd` / `seq_bwd` launches: the Mosaic GPU
     ones (`mosaic_gpu/state_pass.py`), passed in by `lwm_jax.ops.wkv7.pallas` because kernel
-    packages import no other kernel package. `forward(M_hi, M_lo, D, s0) -> (states, final)`,
-    `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H) -> (dS_end, d_s0)` and
-    `forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H) -> (o, final)` (the forward chain
-    writing the outputs instead of the chunk states; O0 transposed, [BH, NT, V, C]), with M and
-    Q as `tile_dots.split_bf16` pairs, K = V = 64, C = 32, `do` and `o` bfloat16 (the caller
-    checks). Where the gradient is taken `forward` (then the Triton `out_fwd` for the outputs)
-    and `backward` run; `primal`: forward-only calls run `forward_out` (else the Triton
+    packages import no other kernel package. `forward(M_hi, M_lo, D, s0, block_v=bv) ->
+    (states, final)`, `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H, block_v=bv) -> (dS_end,
+    d_s0)` and `forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=H, block_v=bv) -> (o, final)`
+    (the forward chain writing the outputs instead of the chunk states; O0 transposed, [BH, NT,
+    V, C], at bv = 64), with M and Q as `tile_dots.split_bf16` pairs, K = V = 64, C = 32, `do`
+    and `o` bfloat16 (the caller checks), bv = `Tuning.block_v_chain` value columns per CTA.
+    Where the gradient is taken `forward` (then the Triton `out_fwd` for the outputs) and
+    `backward` run; `primal`: forward-only calls run `forward_out` (else the Triton
     launches)."""
     forward: Callable
     backward: Callable
@@ -75,14 +76,16 @@ def _forward(r, w, k, v, a, b, s0, n, cfg, want_inv):
         # Forward-only, the chain writes the outputs itself. With the gradient it writes the
         # chunk states and `out_fwd` the outputs: one chain writing both measured slower
         # (benchmarks/NOTES-wkv7.md).
-        outputs = not want_inv
+        outputs, bv = not want_inv, cfg.tune.block_v_chain
         M_hi, M_lo, D, Q_hi, Q_lo, O0, *inv = launches.intra_fwd(
-            r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, o0_t=outputs, **kw)
+            r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, o0_t=outputs and bv == 64,
+            **kw)
         M, Q = (M_hi, M_lo), (Q_hi, Q_lo)
         if outputs:
-            o, sT = cfg.chains.forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=cfg.H)
+            o, sT = cfg.chains.forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=cfg.H,
+                                           block_v=bv)
             return (o, sT, M, Q, None)
-        states, sT = cfg.chains.forward(M_hi, M_lo, D, s0)
+        states, sT = cfg.chains.forward(M_hi, M_lo, D, s0, block_v=bv)
         o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
         return (o, sT, M, Q, states, *inv)
     M, D, Q, O0, *inv = launches.intra_fwd(r, w, k, v, a, b, n, want_inv=want_inv, **kw)
@@ -111,7 +114,8 @@ def _core_bwd(cfg, res, cts):
     do, dsT = cts
     kw = _kw(cfg)
     if cfg.chains is not None:
-        dS_end, ds0 = cfg.chains.backward(*M, *Q, do, dsT.astype(jnp.float32), H=cfg.H)
+        dS_end, ds0 = cfg.chains.backward(*M, *Q, do, dsT.astype(jnp.float32), H=cfg.H,
+                                          block_v=cfg.tune.block_v_chain)
     else:
         dS_end, ds0 = launches.seq_bwd(M, Q, do, dsT.astype(jnp.float32), **kw)
     grads = launches.intra_bwd(r, w, k, v, a, b, n, inv, states, dS_end, do, **kw)
