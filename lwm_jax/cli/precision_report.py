@@ -30,12 +30,15 @@ def precision_report_main(args: argparse.Namespace) -> int:
         return run_report(model, args, policy, fp8_metas=metas, fp8_source=where)
     from flax import nnx
 
+    from lwm_jax.diagnostics.precision_report import family_of_class
     from lwm_jax.models.registry import get_arch
     from lwm_jax.train.config import load_config
     check_config_path(args.config)
     cfg = load_config(args.config, args.overrides, data_files=False)   # the model only
-    model = get_arch(cfg.arch).model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
-                                         rngs=nnx.Rngs(cfg.train.seed))
+    model_cls = get_arch(cfg.arch).model_cls
+    family_of_class(model_cls)        # a family without a sub-op table: refused before the init
+    model = model_cls(cfg.model, cfg.precision, runtime=cfg.runtime,
+                      rngs=nnx.Rngs(cfg.train.seed))
     return run_report(model, args, args.policy or cfg.precision)
 
 

@@ -151,7 +151,13 @@ class Report:
 
 
 def family_of(model) -> Family:
-    name = type(model).__name__
+    return family_of_class(type(model))
+
+
+def family_of_class(model_cls: type) -> Family:
+    """The sub-op table of a model class; a class without one is a one-line ValueError. The CLI
+    asks before it builds the model: a refusal does not wait for an initialisation."""
+    name = model_cls.__name__
     if name not in FAMILIES:
         raise ValueError(f"precision report: no sub-op table for model class {name}; "
                          f"supported: {', '.join(FAMILIES)}")
