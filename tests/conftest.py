@@ -7,8 +7,21 @@ the top. Test file names are unique across folders (pytest's default import mode
 """
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
+import tempfile
+
+# `lwm-jax train` turns on JAX's persistent compilation cache, by default under the user's cache
+# directory (`lwm_jax.train.compile_cache`): tests that run it, in-process or as a subprocess,
+# would leave their programs there, and a later run of the suite would load them (warm where a
+# clean machine is cold, and files left in the home directory). Each test process gets its own
+# directory, removed at exit, unless the environment names one.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _COMPILE_DIR = tempfile.mkdtemp(prefix="lwm-jax-tests-compile-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_DIR
+    atexit.register(shutil.rmtree, _COMPILE_DIR, ignore_errors=True)
 
 # Two pytest-xdist workers share one GPU: with JAX's default preallocation each takes 75% of it
 # at its first array. On an H100 a WKV-state test failed that way and passed alone; allocating
