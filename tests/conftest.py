@@ -16,8 +16,9 @@ import tempfile
 # `lwm-jax train` turns on JAX's persistent compilation cache, by default under the user's cache
 # directory (`lwm_jax.train.compile_cache`): tests that run it, in-process or as a subprocess,
 # would leave their programs there, and a later run of the suite would load them (warm where a
-# clean machine is cold, and files left in the home directory). Each test process gets its own
-# directory, removed at exit, unless the environment names one.
+# clean machine is cold, and files left in the home directory). The test run gets its own
+# directory (pytest-xdist workers inherit it from the main process), removed at exit, unless the
+# environment names one.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _COMPILE_DIR = tempfile.mkdtemp(prefix="lwm-jax-tests-compile-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_DIR
