@@ -121,3 +121,35 @@ def chunk_chains_f64(M, D, Q, do, s0, dsT, H: int):
         dS[:, c] = g
         g = M[:, c].transpose(0, 2, 1) @ g + Q[:, c].transpose(0, 2, 1) @ dO[:, c]
     return states, S, dS, g
+
+
+def lowered_triton_kernels(fn, *args) -> list[dict]:
+    """Each Pallas-Triton kernel of `jax.jit(fn)(*args)` as JAX lowers it for CUDA, on any host
+    (jaxlib <= 0.10.2 lowers Pallas-Triton calls without compiling them; `args` may be
+    `jax.ShapeDtypeStruct`s): `[{"name", "num_warps", "num_stages", "ttir"}]` in lowering order.
+    Hooks JAX's private Pallas-Triton lowering for the duration of the call (ImportError or
+    AttributeError where it has moved)."""
+    from jax import export
+    from jax._src.pallas.triton import pallas_call_registration as reg
+    orig_lower, orig_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
+    kernels: list[dict] = []
+
+    def lower(*a, **k):
+        res = orig_lower(*a, **k)
+        kernels.append({"ttir": res.module.operation.get_asm(enable_debug_info=False)})
+        return res
+
+    def custom_call(*a, backend_config=None, **k):
+        if backend_config and "num_warps" in backend_config:   # the last lowered kernel's
+            kernels[-1].update({f: str(backend_config[f]).split(":")[0].strip(' "')
+                                for f in ("name", "num_warps", "num_stages")})
+        return orig_call(*a, backend_config=backend_config, **k)
+
+    triton = "__gpu$xla.gpu.triton"
+    reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = lower, custom_call
+    try:
+        export.export(jax.jit(fn), platforms=("cuda",),
+                      disabled_checks=[export.DisabledSafetyCheck.custom_call(triton)])(*args)
+    finally:
+        reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = orig_lower, orig_call
+    return kernels

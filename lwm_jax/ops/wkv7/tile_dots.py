@@ -2,7 +2,8 @@
 shared by the GPU and TPU kernels' tile math.
 
 `precision` is anything `jax.lax.dot_general` takes (a `jax.lax.Precision` or a
-`DotAlgorithmPreset`). A leaf: imports nothing of `lwm_jax`.
+`DotAlgorithmPreset`), or an object with a `tile_dot(x, y, contract)` method that forms the
+product itself (`pallas_gpu.tf32_round.ROUNDED_TF32`). A leaf: imports nothing of `lwm_jax`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ def split_bf16(x):
 
 
 def _dot(x, y, contract, precision):
+    tile_dot = getattr(precision, "tile_dot", None)   # a product form of its own (e.g. the GPU
+    if tile_dot is not None:                          # kernels' `pallas_gpu.tf32_round`)
+        return tile_dot(x, y, contract)
     return jax.lax.dot_general(x, y, (contract, ((), ())), precision=precision,
                                preferred_element_type=_F32)
 

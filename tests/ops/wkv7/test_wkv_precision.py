@@ -10,19 +10,26 @@ import pytest
 from jax.extend import core as jex_core
 
 from lwm_jax.ops.wkv7 import wkv7
+from lwm_jax.ops.wkv7.pallas_gpu import tf32_round
 from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
 from lwm_jax.precision import PRESETS, parse_policy
 
 P = jax.lax.Precision
 
 
+ROUNDED = ("rounded-tf32",) * 2   # the compiled GPU kernels' TF32 products (`tf32_round`)
+
+
 def _dot_precisions(jaxpr, inside=False, within="", out=None):
     """Precision of every dot_general, recursing into sub-jaxprs (pjit, scan, checkpoint,
-    custom_vjp, pallas_call ...); only those under an equation whose name contains `within`."""
+    custom_vjp, pallas_call ...); only those under an equation whose name contains `within`.
+    A TF32 product whose operands the GPU kernel rounds itself counts as `ROUNDED`."""
     out = [] if out is None else out
     for eqn in jaxpr.eqns:
         name = eqn.params.get("name", eqn.params.get("name_and_src_info", ""))
         here = inside or within in str(name)
+        if eqn.primitive is tf32_round.rounded_dot_p and inside:
+            out.append((ROUNDED, False))
         if eqn.primitive.name == "dot_general" and inside:
             (_, _), (lhs_batch, _) = eqn.params["dimension_numbers"]
             out.append((eqn.params["precision"], bool(lhs_batch)))
@@ -49,7 +56,8 @@ def test_presets_state_the_wkv_precision():
 def test_each_path_runs_the_presets_wkv_precision(name, impl):
     """Chunked XLA path: every batched in-chunk product at the preset's precision; only the
     log-decay interval sums (unbatched products with a 0/1 matrix) stay HIGHEST. GPU kernel
-    (interpret mode on CPU, 2-D tiles): every dot at the preset's precision."""
+    (interpret mode on CPU, 2-D tiles): every dot at the preset's precision (compiled on an
+    sm_90+ GPU, TF32 precisions run as the kernels' own rounded TF32 products)."""
     policy = PRESETS[name]
     xs = random_wkv7_inputs(0, 1, 32, 1, 16, 16, policy.compute_dtype)
     fn = lambda *xs: wkv7(*xs, impl=impl, chunk_size=16, precision=policy.wkv_precision)  # noqa
@@ -57,6 +65,10 @@ def test_each_path_runs_the_presets_wkv_precision(name, impl):
     within = "wkv7_chunked" if impl == "chunked" else "wkv7_"
     got = _dot_precisions(jaxpr, within=within)
     want = (P(policy.wkv_precision),) * 2
+    compiled_gpu = impl == "pallas" and jax.default_backend() == "gpu"
+    if compiled_gpu and tf32_round.kernel_precision(
+            P(policy.wkv_precision), interpret=False, wanted=None) is tf32_round.ROUNDED_TF32:
+        want = ROUNDED     # TF32 on sm_90+: operands rounded in the kernel, not by XLA
     assert sum(prec == want for prec, _ in got) >= 6, (name, impl, set(got))
     if impl == "chunked":
         assert {prec for prec, batched in got if batched} == {want}, (name, set(got))

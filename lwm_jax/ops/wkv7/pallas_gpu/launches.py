@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from lwm_jax.ops.wkv7.pallas_gpu import tiles, tiles_bwd_stacked
+from lwm_jax.ops.wkv7.pallas_gpu import tf32_round, tiles, tiles_bwd_stacked
 from lwm_jax.ops.wkv7.tile_dots import mm, mm_tn, split_bf16
 
 _F32 = jnp.float32
@@ -54,6 +54,8 @@ class Tuning(NamedTuple):
     chains: str | None = None       # the chunk chains: "triton" (seq_fwd / seq_bwd) or "mosaic"
                                     # (mosaic_gpu/state_pass.py); None: lwm_jax.ops.wkv7.pallas
                                     # picks by the measured rule (`mosaic_chains`)
+    round_tf32: bool | None = None  # TF32 dot operands rounded by the kernels, one instruction
+                                    # each (`tf32_round`), not by XLA's pass; None: on sm_90+
 
 
 _BWD_FORMS = {"rows": tiles.intra_backward, "stacked": tiles_bwd_stacked.intra_backward_stacked}
@@ -101,7 +103,8 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
         warps_bwd=pick(tune.warps_bwd, 8 if form == "rows" else 4),
         stages_seq=pick(tune.stages_seq, 3), split_bwd=pick(tune.split_bwd, not small),
         split_out=split_out, bwd_form=form,
-        block_v_chain=pick(tune.block_v_chain, one_wave((16, 32, 64))), chains=tune.chains)
+        block_v_chain=pick(tune.block_v_chain, one_wave((16, 32, 64))), chains=tune.chains,
+        round_tf32=tune.round_tf32)
 
 
 def _sm_count(default: int = 132) -> int:
@@ -206,6 +209,7 @@ def _seq_specs(NT, X, Y, BV_last):
 def seq_fwd(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interpret):
     """Sequential forward. Returns (o, final_state[, states]); with `tune.split_out` it computes
     no outputs (o is None) and always returns the states, for `out_fwd`."""
+    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, V = D.shape
     B = BH // H
     BV = min(tune.block_v, V)
@@ -256,6 +260,7 @@ def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
     """Chunk-parallel outputs o = Q S0 + O0 -> [B, Tp, H, V] (used with `tune.split_out` and
     after the Mosaic GPU chains). `Q` is float32 or a `tile_dots.split_bf16` pair (hi, lo),
     summed."""
+    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, V = states.shape
     B = BH // H
     qs = tuple(Q) if isinstance(Q, (tuple, list)) else (Q,)
@@ -286,6 +291,7 @@ def seq_forward(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, in
 
 
 def seq_bwd(M, Q, do, dsT, *, H, C, prec, tune, interpret):
+    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, _ = M.shape
     B = BH // H
     V = do.shape[-1]
