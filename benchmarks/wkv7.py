@@ -21,7 +21,9 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
   sweep --variants JSON     intra_bwd / intra_fwd / seq_fwd (alone, or with out_fwd: "seqo") /
                             seq_bwd for a list of `Tuning`s (one process, shared inputs).
   ptxas --triton-site DIR   (CPU, no GPU needed) compile every kernel for sm_90 with the triton
-                            wheel and print registers / spills / shared memory / wgmma count.
+                            wheel and print registers / spills / shared memory / wgmma count /
+                            SASS instructions, with XLA's TF32 operand rounding put in first as
+                            the GPU's compiler does (--no-xla-rounding: without it).
 
 Inputs follow the FLA benchmark's distribution (`lwm_jax.ops.wkv7.testing.random_wkv7_inputs`).
 Timing: jitted call, warm-up, then batches of back-to-back calls ended by one
@@ -31,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import os
 import statistics
 import sys
@@ -220,7 +223,7 @@ def cmd_speed(args):
         return t_f, t_fb
 
     if not args.no_shapes:
-        tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
+        tune = Tuning(**{"round_tf32": True, **(json.loads(args.tuning) if args.tuning else {})})
         for i, (B, T, H, D) in enumerate(SHAPES):
             if args.shape_index is None or i in args.shape_index:
                 run(B, T, H, D, args.chunk, tune)
@@ -303,50 +306,65 @@ def cmd_breakdown(args):
             emit(case="breakdown-error", C=C, tuning=tkw, error=repr(e)[:300])
 
 
+_TF32_DOT = re.compile(r"^(\s*)(%\S+) = tt\.dot (%[^,]+), (%[^,]+), (%[^,]+), "
+                       r"inputPrecision = tf32 : (tensor<[^>]*xf32>) \* (tensor<[^>]*xf32>)"
+                       r" -> (.*)$")
+
+
+def xla_tf32_rounding(ttir: str) -> str:
+    """The Triton IR as XLA's Triton pipeline (jaxlib 0.11.2) hands it on: every float32 TF32
+    `tt.dot` not marked `tf32_arguments_rounded` gets `cvt.rna.tf32.f32` on both operands
+    (Triton's own pass then merges repeated roundings of one value). Without this the offline
+    compile misses what costs the chunk kernels most instructions on the GPU
+    (benchmarks/NOTES-wkv7.md, 2026-11-29)."""
+    asm = ('"cvt.rna.tf32.f32 $0, $1;" {constraints = "=r,r", packed_element = 1 : i32, '
+           'pure = true}')
+    out = []
+    for i, line in enumerate(ttir.splitlines()):
+        m = _TF32_DOT.match(line)
+        if not m:
+            out.append(line)
+            continue
+        ind, res, a, b, acc, ta, tb, rest = m.groups()
+        out += [f"{ind}%xla_rna_a{i} = tt.elementwise_inline_asm {asm} {a} : {ta} -> {ta}",
+                f"{ind}%xla_rna_b{i} = tt.elementwise_inline_asm {asm} {b} : {tb} -> {tb}",
+                f"{ind}{res} = tt.dot %xla_rna_a{i}, %xla_rna_b{i}, {acc}, inputPrecision = tf32"
+                f" : {ta} * {tb} -> {rest}"]
+    return "\n".join(out) + "\n"
+
+
 def cmd_ptxas(args):
     """CPU only (jaxlib <= 0.10.2, which lowers Pallas-Triton calls without compiling them):
     lower one bf16 fwd+bwd for CUDA, compile each kernel's Triton IR with the `triton` wheel
     (--triton-site: a folder holding it, e.g. `pip install --target`) for sm_90 and print
-    `ptxas -v` (registers, spills), Triton's shared memory and the wgmma / mma.sync counts."""
+    `ptxas -v` (registers, spills), Triton's shared memory, the wgmma / mma.sync counts and the
+    SASS instruction count (`nvdisasm`). The IR first gets XLA's TF32 operand rounding
+    (`xla_tf32_rounding`, unless --no-xla-rounding); `Tuning.round_tf32` defaults to True here
+    (the kernels' own rounding, what the op does on sm_90)."""
     import os
     import subprocess
     jax, jnp = _jax()
-    from jax._src.pallas.triton import pallas_call_registration as reg
     from lwm_jax.ops.wkv7.pallas import Tuning, wkv7_gpu
+    from lwm_jax.ops.wkv7.testing import lowered_triton_kernels
     os.makedirs(args.out, exist_ok=True)
-    kernels = []
-    orig_lower, orig_call = reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call
-
-    def lower(*a, **k):
-        res = orig_lower(*a, **k)
-        kernels.append([res.module.operation.get_asm(enable_debug_info=False)])
-        return res
-
-    def custom_call(*a, backend_config=None, **k):
-        if backend_config and "num_warps" in backend_config:  # name, warps, stages of the last IR
-            kernels[-1] += [str(backend_config[f]).split(":")[0].strip(' "')
-                            for f in ("name", "num_warps", "num_stages")]
-        return orig_call(*a, backend_config=backend_config, **k)
-    reg.lowering.lower_jaxpr_to_triton_module, reg.mlir.custom_call = lower, custom_call
     B, T, H, D = args.shape
-    tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
+    tune = Tuning(**{"round_tf32": True, **(json.loads(args.tuning) if args.tuning else {})})
     xs = [jax.ShapeDtypeStruct((B, T, H, D), jnp.bfloat16)] * 6
 
     def loss(xs):
         o, s = wkv7_gpu(*xs, None, None, args.chunk, None, tuning=tune)
         return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-    try:  # lowering runs the hooks; serialising the Triton custom calls then fails, as expected
-        jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"])(xs)
-    except ValueError:
-        pass
+    kernels = [(k["ttir"], k["name"], k["num_warps"], k["num_stages"])
+               for k in lowered_triton_kernels(jax.grad(loss), xs)]
     sys.path.insert(0, args.triton_site)
     import triton
     from triton.backends.compiler import GPUTarget
     ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    bindir = os.path.dirname(ptxas)
     for i, (ir, name, warps, stages) in enumerate(kernels):
         base = os.path.join(args.out, f"{i:02d}_{name}_w{warps}")
         with open(base + ".ttir", "w") as f:
-            f.write(ir)
+            f.write(ir if args.no_xla_rounding else xla_tf32_rounding(ir))
         k = triton.compile(base + ".ttir", target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": int(warps), "num_stages": int(stages)})
         with open(base + ".ptx", "w") as f:
@@ -355,8 +373,11 @@ def cmd_ptxas(args):
                            capture_output=True, text=True)
         info = " ".join(l.split(":", 1)[-1].strip() for l in r.stderr.splitlines()
                         if "Used" in l or "spill" in l)
+        sass = subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", base + ".cubin"],
+                              capture_output=True, text=True).stdout
         emit(case="ptxas", kernel=name, warps=int(warps), smem_bytes=k.metadata.shared,
              wgmma=k.asm["ptx"].count("wgmma.mma_async"), mma_sync=k.asm["ptx"].count("mma.sync"),
+             sass_instructions=len(re.findall(r"^\s+/\*[0-9a-f]{4,}\*/", sass, re.M)),
              info=info[:300])
 
 
@@ -368,6 +389,7 @@ def cmd_sweep(args):
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
+    from lwm_jax.ops.wkv7.pallas_gpu import tf32_round
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     prec = jax.lax.Precision.DEFAULT
@@ -395,7 +417,9 @@ def cmd_sweep(args):
         try:
             p = prepared(shape, C)
             tune = resolve(Tuning(**tkw), C, B * H, D)
-            kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=False)
+            kw = dict(H=H, C=C, tune=tune, interpret=False,   # the precision the op would pass
+                      prec=tf32_round.kernel_precision(prec, interpret=False,
+                                                       wanted=tune.round_tf32))
             if kind == "bwd":
                 f = jax.jit(lambda xs, inv, st, dS, do: gk.intra_bwd(*xs, None, inv, st, dS, do,
                                                                      **kw))
@@ -458,6 +482,8 @@ def main(argv=None):
     a.add_argument("--tuning", default=None, help="JSON dict of Tuning fields")
     a.add_argument("--triton-site", required=True, help="folder holding the triton wheel")
     a.add_argument("--out", default="/tmp/wkv7_ptxas")
+    a.add_argument("--no-xla-rounding", action="store_true",
+                   help="compile the IR as lowered, without XLA's TF32 operand rounding")
     args = p.parse_args(argv)
     if args.cmd not in ("peer", "compare"):
         jax, _ = _jax()
