@@ -3,7 +3,7 @@ shared by the GPU and TPU kernels' tile math.
 
 `precision` is anything `jax.lax.dot_general` takes (a `jax.lax.Precision` or a
 `DotAlgorithmPreset`), or an object with a `tile_dot(x, y, contract)` method that forms the
-product itself (`pallas_gpu.tf32_round.ROUNDED_TF32`). A leaf: imports nothing of `lwm_jax`.
+product itself (`pallas_gpu.tf32_round.RoundedTF32`). A leaf: imports nothing of `lwm_jax`.
 """
 from __future__ import annotations
 

@@ -65,16 +65,19 @@ def test_each_path_runs_the_presets_wkv_precision(name, impl):
     within = "wkv7_chunked" if impl == "chunked" else "wkv7_"
     got = _dot_precisions(jaxpr, within=within)
     want = (P(policy.wkv_precision),) * 2
+    allowed = {want}
     compiled_gpu = impl == "pallas" and jax.default_backend() == "gpu"
-    if compiled_gpu and tf32_round.kernel_precision(
-            P(policy.wkv_precision), interpret=False, wanted=None) is tf32_round.ROUNDED_TF32:
-        want = ROUNDED     # TF32 on sm_90+: operands rounded in the kernel, not by XLA
+    if compiled_gpu and isinstance(tf32_round.kernel_precision(
+            P(policy.wkv_precision), interpret=False, wanted=None), tf32_round.RoundedTF32):
+        # TF32 on sm_90+: the chunk launches round their operands themselves (`ROUNDED`), the
+        # sequential ones keep the preset's precision (XLA rounds)
+        want, allowed = ROUNDED, {ROUNDED, want}
     assert sum(prec == want for prec, _ in got) >= 6, (name, impl, set(got))
     if impl == "chunked":
         assert {prec for prec, batched in got if batched} == {want}, (name, set(got))
         assert {prec for prec, batched in got if not batched} == {(P.HIGHEST,) * 2}
     else:
-        assert {prec for prec, _ in got} == {want}, (name, set(got))
+        assert {prec for prec, _ in got} <= allowed, (name, set(got))
 
 
 def test_time_mix_hands_the_policy_precision_to_wkv7(monkeypatch):

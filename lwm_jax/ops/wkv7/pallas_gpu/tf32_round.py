@@ -15,7 +15,7 @@ XLA's pass honours: the tensor cores then read operands whose dropped bits are a
 The numbers are those of TF32 products with round-to-nearest-even operands instead of ties
 away (they differ only where the 13 dropped bits are exactly one half: the same error bound).
 
-Use: pass `ROUNDED_TF32` as the precision of `tile_dots.mm` / `mm_tn` / `mm_nt` inside a
+Use: pass a `RoundedTF32` (`ROUNDED[DEFAULT or HIGH]`) as the precision of `tile_dots.mm` / `mm_tn` / `mm_nt` inside a
 Pallas-Triton kernel compiled for a GPU of compute capability >= 9.0 (`kernel_precision`
 decides; the WKV op's chunk-parallel launches take it, the sequential ones `plain`); it needs
 this module's lowering rule for Pallas-Triton, registered on import through JAX's lowering table
@@ -93,22 +93,26 @@ _REGISTERED = _register_triton_rule()
 
 
 def available() -> bool:
-    """Whether Pallas-Triton kernels can use `ROUNDED_TF32` in this JAX."""
+    """Whether Pallas-Triton kernels can use the `RoundedTF32` products in this JAX."""
     return _REGISTERED
 
 
-class _RoundedTF32:
-    """Precision marker for `tile_dots`: TF32 products of operands rounded by `round_tf32`."""
+class RoundedTF32:
+    """Precision for `tile_dots`: TF32 products of operands rounded by `round_tf32`. `base` is
+    the TF32 precision it stands for (DEFAULT or HIGH), given back by `plain`."""
+
+    def __init__(self, base):
+        self.base = base
 
     def tile_dot(self, x, y, contract):
         return rounded_dot_p.bind(round_tf32(x), round_tf32(y),
                                   dimension_numbers=(contract, ((), ())))
 
     def __repr__(self):
-        return "ROUNDED_TF32"
+        return f"RoundedTF32({self.base})"
 
 
-ROUNDED_TF32 = _RoundedTF32()
+ROUNDED = {p: RoundedTF32(p) for p in _TF32_PRECISIONS}
 
 
 def gpu_rounds_in_one_instruction(device=None) -> bool:
@@ -122,16 +126,17 @@ def gpu_rounds_in_one_instruction(device=None) -> bool:
 
 
 def kernel_precision(prec, *, interpret: bool, wanted: bool | None):
-    """The precision the Pallas-Triton launches use for `prec`: `ROUNDED_TF32` for a TF32
+    """The precision the Pallas-Triton launches use for `prec`: `ROUNDED[prec]` for a TF32
     precision when the lowering rule is registered and `wanted` is True, or None on a first
     JAX device of compute capability >= 9.0; else `prec` (interpret mode always `prec`: the
     inline assembly has no interpreter)."""
     if interpret or wanted is False or not _REGISTERED or prec not in _TF32_PRECISIONS:
         return prec
-    return ROUNDED_TF32 if wanted or gpu_rounds_in_one_instruction() else prec
+    return ROUNDED[prec] if wanted or gpu_rounds_in_one_instruction() else prec
 
 
 def plain(prec):
-    """`prec` with `ROUNDED_TF32` read as the plain TF32 dot (XLA rounds): the launches where
-    the kernel's own rounding measured no faster (the sequential chains and `out_fwd`)."""
-    return lax.Precision.DEFAULT if prec is ROUNDED_TF32 else prec
+    """`prec` with a `RoundedTF32` read as its plain TF32 precision (XLA rounds): for the
+    launches where the kernel's own rounding measured no faster (the sequential chains and
+    `out_fwd`)."""
+    return prec.base if isinstance(prec, RoundedTF32) else prec
