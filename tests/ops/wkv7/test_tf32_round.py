@@ -2,9 +2,9 @@
 
 On CPU: the rule that picks the product form, and the lowering for CUDA (no GPU needed): every
 TF32 dot of the chunk-parallel kernels carries the attribute that keeps XLA's rounding pass off
-it, and its operands come from the one-instruction rounding. Marked `gpu`: the rounding itself against
-a NumPy round-to-nearest-even on the bits, and the op's errors against float64 with and without
-the kernel's rounding.
+it, and its operands come from the one-instruction rounding. Marked `gpu`: the rounding itself
+against a NumPy round-to-nearest-even on the bits, and the op's errors against float64 with and
+without the kernel's rounding.
 """
 from __future__ import annotations
 

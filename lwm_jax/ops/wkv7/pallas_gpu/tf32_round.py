@@ -15,12 +15,12 @@ XLA's pass honours: the tensor cores then read operands whose dropped bits are a
 The numbers are those of TF32 products with round-to-nearest-even operands instead of ties
 away (they differ only where the 13 dropped bits are exactly one half: the same error bound).
 
-Use: pass a `RoundedTF32` (`ROUNDED[DEFAULT or HIGH]`) as the precision of `tile_dots.mm` / `mm_tn` / `mm_nt` inside a
-Pallas-Triton kernel compiled for a GPU of compute capability >= 9.0 (`kernel_precision`
-decides; the WKV op's chunk-parallel launches take it, the sequential ones `plain`); it needs
-this module's lowering rule for Pallas-Triton, registered on import through JAX's lowering table
-(`available()` says whether that worked; where it did not, callers keep the plain TF32 dot and
-XLA's rounding).
+Use: pass a `RoundedTF32` (`ROUNDED[DEFAULT or HIGH]`) as the precision of `tile_dots.mm` /
+`mm_tn` / `mm_nt` inside a Pallas-Triton kernel compiled for a GPU of compute capability >= 9.0
+(`kernel_precision` decides; the WKV op's chunk-parallel launches take it, the sequential ones
+`plain`); it needs this module's lowering rule for Pallas-Triton, registered on import through
+JAX's lowering table (`available()` says whether that worked; where it did not, callers keep the
+plain TF32 dot and XLA's rounding).
 """
 from __future__ import annotations
 
