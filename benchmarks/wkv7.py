@@ -273,6 +273,7 @@ def cmd_breakdown(args):
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
+    from lwm_jax.ops.wkv7.pallas_gpu import tf32_round
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     B, T, H, D = args.shape
@@ -282,7 +283,8 @@ def cmd_breakdown(args):
     prec = jax.lax.Precision.DEFAULT
     for C, tkw in BREAKDOWN_VARIANTS[: args.max_variants]:
         tune = resolve(Tuning(**tkw), C, B * H, D)
-        kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=False)
+        kw = dict(H=H, C=C, tune=tune, interpret=False,       # the precision the op would pass
+                  prec=tf32_round.kernel_precision(prec, interpret=False, wanted=tune.round_tf32))
         try:
             f1 = jax.jit(lambda xs: gk.intra_fwd(*xs, None, want_inv=True, **kw))
             M, Dm, Q, O0, inv = f1(xs)
