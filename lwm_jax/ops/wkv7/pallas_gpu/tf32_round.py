@@ -70,7 +70,7 @@ def _register_triton_rule() -> bool:
         from jax._src.pallas.triton import lowering as triton_lowering
         table = triton_lowering.triton_lowering_rules
         dot_rule = table[lax.dot_general_p]
-    except (ImportError, AttributeError, KeyError):
+    except Exception:   # noqa: BLE001  any failure of these private imports: no rounded form
         return False
 
     def rule(ctx, x, y, *, dimension_numbers):
