@@ -53,6 +53,7 @@ GPU_PATH_FILES = (
     "tests/ops/wkv7/test_wkv7_chains.py",
     "tests/ops/wkv7/test_wkv7_ops.py", "tests/ops/wkv7/test_wkv7_aligned_keys.py",
     "tests/ops/wkv7/test_wkv7_limits.py", "tests/ops/wkv7/test_wkv_precision.py",
+    "tests/ops/wkv7/test_tf32_round.py",
     "tests/ops/test_xent.py", "tests/ops/test_layer_norm.py", "tests/ops/test_group_norm.py",
     "tests/ops/test_relu2_matmul.py", "tests/ops/test_kernels_per_device.py",
     "tests/layers/test_attention.py", "tests/layers/test_norms.py",
