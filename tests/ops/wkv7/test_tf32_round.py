@@ -74,7 +74,9 @@ def _lowered(round_tf32: bool) -> dict[str, str]:
     try:
         kernels = lowered_triton_kernels(jax.grad(loss), xs)
     except (ImportError, AttributeError):
-        pytest.skip("this JAX lowers Pallas-Triton calls elsewhere")
+        kernels = []
+    if not kernels:            # the hook saw nothing: JAX lowers Pallas-Triton calls elsewhere
+        pytest.skip("this JAX lowers Pallas-Triton calls without the hooked function")
     return {k["name"]: k["ttir"] for k in kernels}
 
 
