@@ -98,6 +98,15 @@ def _products(groups, during=None):
     return lax.optimization_barrier(tuple(outs))
 
 
+def _zero_ring(tiles):
+    """Zero every slot of each `(ring, dtype)` shared-memory ring before the first load: the
+    half of a 64-row tile that its TMA copies never write must hold exact zeros."""
+    for slot in range(_STAGES):
+        for t, dt in tiles:
+            t.at[slot][...] = plgpu.layout_cast(jnp.zeros(t.shape[1:], dt), WG)
+    plgpu.commit_smem()
+
+
 def _forward_kernel(BH, NT, H, with_out, BV=64):
     """The forward chain over value columns [j BV, (j + 1) BV) of each head (grid B x H x
     64 / BV). It writes every chunk's start state (for the backward), or with `with_out` every
@@ -140,10 +149,7 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
                 plgpu.copy_gmem_to_smem(o0_ref.at[bh, c], o0s.at[slot], bar)
 
         if with_out and narrow:  # the lower halves stay zero: their products add nothing
-            for slot in range(_STAGES):
-                for t, dt in ((qh, BF16), (ql, BF16), (o0s, F32)):
-                    t.at[slot][...] = plgpu.layout_cast(jnp.zeros(t.shape[1:], dt), WG)
-            plgpu.commit_smem()
+            _zero_ring(((qh, BF16), (ql, BF16), (o0s, F32)))
         for c in range(min(_STAGES - 1, NT)):
             issue(c)
         s_init = _value_in(ins[-1].at[bi, hi, :, cols], stage, s0_bar)
@@ -255,10 +261,7 @@ def _backward_kernel(BH, NT, H, BV=64):
                                     dos.at[slot, bottom], bar)
 
         # the upper halves of the Q and dO tiles stay zero: their products add nothing
-        for slot in range(_STAGES):
-            for t in (qh, ql, dos):
-                t.at[slot][...] = plgpu.layout_cast(jnp.zeros(t.shape[1:], BF16), WG)
-        plgpu.commit_smem()
+        _zero_ring(((qh, BF16), (ql, BF16), (dos, BF16)))
         for i in range(min(_STAGES - 1, NT)):
             issue(i)
         g_init = _value_in(dsT_ref.at[bi, hi, :, cols], stage, s0_bar)
