@@ -342,7 +342,9 @@ def cmd_ptxas(args):
     `ptxas -v` (registers, spills), Triton's shared memory, the wgmma / mma.sync counts and the
     SASS instruction count (`nvdisasm`). The IR first gets XLA's TF32 operand rounding
     (`xla_tf32_rounding`, unless --no-xla-rounding); `Tuning.round_tf32` defaults to True here
-    (the kernels' own rounding, what the op does on sm_90)."""
+    (the kernels' own rounding, what the op does on sm_90). Triton's own pipeline links the
+    libdevice calls (`exp`, `log`) here, XLA's does on the device: a change to those is not
+    predicted by these counts (benchmarks/NOTES-wkv7.md, 2026-11-29)."""
     import os
     import subprocess
     jax, jnp = _jax()
