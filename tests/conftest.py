@@ -23,11 +23,6 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _COMPILE_DIR = tempfile.mkdtemp(prefix="lwm-jax-tests-compile-")
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _COMPILE_DIR
     atexit.register(shutil.rmtree, _COMPILE_DIR, ignore_errors=True)
-# Every program goes into that cache, not only those that took a second or more to compile (JAX's
-# default; `lwm-jax train` sets the same): many tests compile a program another test or worker
-# already compiled, and loading it is faster than compiling it again (measured on a 2-core CPU
-# host: benchmarks/RESULTS.md, "CPU test suite"). An explicit setting in the environment wins.
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 # Two pytest-xdist workers share one GPU: with JAX's default preallocation each takes 75% of it
 # at its first array. On an H100 a WKV-state test failed that way and passed alone; allocating
