@@ -223,7 +223,7 @@ def cmd_speed(args):
         return t_f, t_fb
 
     if not args.no_shapes:
-        tune = Tuning(**{"round_tf32": True, **(json.loads(args.tuning) if args.tuning else {})})
+        tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
         for i, (B, T, H, D) in enumerate(SHAPES):
             if args.shape_index is None or i in args.shape_index:
                 run(B, T, H, D, args.chunk, tune)
@@ -273,7 +273,6 @@ def cmd_breakdown(args):
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
-    from lwm_jax.ops.wkv7.pallas_gpu import tf32_round
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     B, T, H, D = args.shape
@@ -283,8 +282,7 @@ def cmd_breakdown(args):
     prec = jax.lax.Precision.DEFAULT
     for C, tkw in BREAKDOWN_VARIANTS[: args.max_variants]:
         tune = resolve(Tuning(**tkw), C, B * H, D)
-        kw = dict(H=H, C=C, tune=tune, interpret=False,       # the precision the op would pass
-                  prec=tf32_round.kernel_precision(prec, interpret=False, wanted=tune.round_tf32))
+        kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=False)
         try:
             f1 = jax.jit(lambda xs: gk.intra_fwd(*xs, None, want_inv=True, **kw))
             M, Dm, Q, O0, inv = f1(xs)
@@ -393,7 +391,6 @@ def cmd_sweep(args):
     jax, jnp = _jax()
     from lwm_jax.ops.wkv7.pallas import Tuning
     from lwm_jax.ops.wkv7.pallas_gpu import launches as gk
-    from lwm_jax.ops.wkv7.pallas_gpu import tf32_round
     from lwm_jax.ops.wkv7.pallas_gpu.launches import resolve
     from lwm_jax.ops.wkv7.testing import random_wkv7_inputs
     prec = jax.lax.Precision.DEFAULT
@@ -421,9 +418,7 @@ def cmd_sweep(args):
         try:
             p = prepared(shape, C)
             tune = resolve(Tuning(**tkw), C, B * H, D)
-            kw = dict(H=H, C=C, tune=tune, interpret=False,   # the precision the op would pass
-                      prec=tf32_round.kernel_precision(prec, interpret=False,
-                                                       wanted=tune.round_tf32))
+            kw = dict(H=H, C=C, prec=prec, tune=tune, interpret=False)
             if kind == "bwd":
                 f = jax.jit(lambda xs, inv, st, dS, do: gk.intra_bwd(*xs, None, inv, st, dS, do,
                                                                      **kw))

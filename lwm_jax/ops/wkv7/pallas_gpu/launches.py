@@ -115,6 +115,14 @@ def _sm_count(default: int = 132) -> int:
         else default
 
 
+def _chunk_precision(prec, tune, interpret):
+    """The precision of the chunk-parallel launches' products: `prec`, or its form whose operands
+    the kernel rounds itself (`tf32_round.kernel_precision`, per `tune.round_tf32`). The
+    sequential launches and `out_fwd` keep `prec` (XLA rounds): the kernel's own rounding
+    measured no faster there (benchmarks/RESULTS-log.md, 2026-11-29)."""
+    return tf32_round.kernel_precision(prec, interpret=interpret, wanted=tune.round_tf32)
+
+
 def _params(num_warps, num_stages=1):
     return plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
@@ -164,6 +172,7 @@ def intra_fwd(r, w, k, v, a, b, n_BT, *, H, C, prec, want_inv, tune, interpret,
     V = v.shape[-1]
     BH, NT = B * H, Tp // C
     has_n = n_BT is not None
+    prec = _chunk_precision(prec, tune, interpret)
 
     pairs = ("M", "Q") if split_mq else ()
     names = [(nm + "_hi", nm + "_lo") if nm in pairs else (nm,) for nm in ("M", "D", "Q", "O0")]
@@ -209,7 +218,6 @@ def _seq_specs(NT, X, Y, BV_last):
 def seq_fwd(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, interpret):
     """Sequential forward. Returns (o, final_state[, states]); with `tune.split_out` it computes
     no outputs (o is None) and always returns the states, for `out_fwd`."""
-    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, V = D.shape
     B = BH // H
     BV = min(tune.block_v, V)
@@ -260,7 +268,6 @@ def out_fwd(Q, O0, states, *, H, C, prec, out_dtype, tune, interpret):
     """Chunk-parallel outputs o = Q S0 + O0 -> [B, Tp, H, V] (used with `tune.split_out` and
     after the Mosaic GPU chains). `Q` is float32 or a `tile_dots.split_bf16` pair (hi, lo),
     summed."""
-    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, V = states.shape
     B = BH // H
     qs = tuple(Q) if isinstance(Q, (tuple, list)) else (Q,)
@@ -291,7 +298,6 @@ def seq_forward(M, D, Q, O0, s0, *, H, C, prec, out_dtype, want_states, tune, in
 
 
 def seq_bwd(M, Q, do, dsT, *, H, C, prec, tune, interpret):
-    prec = tf32_round.plain(prec)   # measured no faster with the kernel's rounding
     BH, NT, K, _ = M.shape
     B = BH // H
     V = do.shape[-1]
@@ -329,6 +335,7 @@ def intra_bwd(r, w, k, v, a, b, n_BT, inv, states, dS_end, do, *, H, C, prec, tu
     V = v.shape[-1]
     BH, NT = B * H, Tp // C
     has_n = n_BT is not None
+    prec = _chunk_precision(prec, tune, interpret)
     kspec, vspec, in_specs, args = _chunk_inputs(r, w, k, v, a, b, n_BT, C, H)
     grad_shape = {nm: jax.ShapeDtypeStruct(x.shape, x.dtype) for nm, x in
                   zip(("dr", "dw", "dk", "dv", "da", "db"), (r, w, k, v, a, b))}

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
-from lwm_jax.ops.wkv7.pallas_gpu import launches, tf32_round
+from lwm_jax.ops.wkv7.pallas_gpu import launches
 from lwm_jax.ops.wkv7.contract import INPUT_DTYPES as _FLOATS
 from lwm_jax.ops.wkv7.contract import GPU_MAX_CHUNK, check_wkv7_inputs
 from lwm_jax.ops.segments import chunk_reset_counter
@@ -180,9 +180,8 @@ def prepare(r, w, k, v, a, b, initial_state, segment_ids, chunk_size, output_dty
         s0 = initial_state.astype(jnp.float32)
     n = None if segment_ids is None else chunk_reset_counter(segment_ids, T_pad, C)
     prec = PRECISIONS["highest" if interpret and precision == "tf32x3" else precision]
-    tune = resolve(tuning, C, B * H, min(V, MAX_V))
-    prec = tf32_round.kernel_precision(prec, interpret=bool(interpret), wanted=tune.round_tf32)
-    cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype, tune=tune, interpret=bool(interpret),
+    cfg = _Cfg(H=H, C=C, prec=prec, out_dtype=out_dtype,
+               tune=resolve(tuning, C, B * H, min(V, MAX_V)), interpret=bool(interpret),
                chains=chains)
     return (r, w, k, v, a, b), s0, n, cfg
 

@@ -17,8 +17,8 @@ away (they differ only where the 13 dropped bits are exactly one half: the same 
 
 Use: pass a `RoundedTF32` (`ROUNDED[DEFAULT or HIGH]`) as the precision of `tile_dots.mm` /
 `mm_tn` / `mm_nt` inside a Pallas-Triton kernel compiled for a GPU of compute capability >= 9.0
-(`kernel_precision` decides; the WKV op's chunk-parallel launches take it, the sequential ones
-`plain`); it needs this module's lowering rule for Pallas-Triton, registered on import through
+(`kernel_precision` decides; the WKV op's chunk-parallel launches ask it, the sequential ones
+keep the plain precision); it needs this module's lowering rule for Pallas-Triton, registered on import through
 JAX's lowering table (`available()` says whether that worked; where it did not, callers keep the
 plain TF32 dot and XLA's rounding).
 """
@@ -99,7 +99,7 @@ def available() -> bool:
 
 class RoundedTF32:
     """Precision for `tile_dots`: TF32 products of operands rounded by `round_tf32`. `base` is
-    the TF32 precision it stands for (DEFAULT or HIGH), given back by `plain`."""
+    the TF32 precision it stands for (DEFAULT or HIGH)."""
 
     def __init__(self, base):
         self.base = base
@@ -126,7 +126,7 @@ def gpu_rounds_in_one_instruction(device=None) -> bool:
 
 
 def kernel_precision(prec, *, interpret: bool, wanted: bool | None):
-    """The precision the Pallas-Triton launches use for `prec`: `ROUNDED[prec]` for a TF32
+    """The precision the chunk-parallel launches use for `prec`: `ROUNDED[prec]` for a TF32
     precision when the lowering rule is registered and `wanted` is True, or None on a first
     JAX device of compute capability >= 9.0; else `prec` (interpret mode always `prec`: the
     inline assembly has no interpreter)."""
@@ -134,9 +134,3 @@ def kernel_precision(prec, *, interpret: bool, wanted: bool | None):
         return prec
     return ROUNDED[prec] if wanted or gpu_rounds_in_one_instruction() else prec
 
-
-def plain(prec):
-    """`prec` with a `RoundedTF32` read as its plain TF32 precision (XLA rounds): for the
-    launches where the kernel's own rounding measured no faster (the sequential chains and
-    `out_fwd`)."""
-    return prec.base if isinstance(prec, RoundedTF32) else prec
