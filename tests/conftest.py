@@ -150,6 +150,21 @@ def jaxpr_eqns():
     return _eqns_named
 
 
+def _benchmark_script(name: str):
+    spec = importlib.util.spec_from_file_location(
+        name, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def benchmark_script():
+    """`load(name) -> module`: the script `benchmarks/<name>.py`, imported by path (benchmarks/
+    is a folder of scripts, not a package)."""
+    return _benchmark_script
+
+
 @pytest.fixture(params=["interpret"] + (["compiled"] if ON_GPU else []))
 def pallas_mode(request):
     """Run a Pallas test in the interpreter (everywhere) and compiled (on a GPU): yields the

@@ -1,19 +1,10 @@
 """`benchmarks/longest_context.py`'s search: the largest multiple that fits, in few probes."""
-import importlib.util
-import os
-
 import pytest
-
-_PATH = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks",
-                     "longest_context.py")
 
 
 @pytest.fixture(scope="module")
-def largest_fitting():
-    spec = importlib.util.spec_from_file_location("longest_context", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.largest_fitting
+def largest_fitting(benchmark_script):
+    return benchmark_script("longest_context").largest_fitting
 
 
 @pytest.mark.parametrize("limit", [1 << 20, (1 << 20) + 5 * 65536, 3_000_000, (1 << 23)])

@@ -3,12 +3,9 @@ shares, bank-conflict excess and the runs of conflicting stores."""
 from __future__ import annotations
 
 import csv
-import importlib.util
-import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "ncu_sass.py")
 _HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
            "Warp Stall Sampling (Not-issued Samples)", "Instructions Executed",
            "L1 Wavefronts Shared", "L1 Wavefronts Shared Ideal", "L1 Wavefronts Shared Excessive",
@@ -16,11 +13,8 @@ _HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)",
 
 
 @pytest.fixture(scope="module")
-def ns():
-    spec = importlib.util.spec_from_file_location("ncu_sass", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ns(benchmark_script):
+    return benchmark_script("ncu_sass")
 
 
 def _write(path, instrs):

@@ -3,21 +3,15 @@ collective (NCCL) time no compute kernel overlaps."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import os
 
 import pytest
 
-_PATH = os.path.join(os.path.dirname(__file__), os.pardir, "benchmarks", "profile_summary.py")
-
 
 @pytest.fixture(scope="module")
-def ps():
-    spec = importlib.util.spec_from_file_location("profile_summary", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def ps(benchmark_script):
+    return benchmark_script("profile_summary")
 
 
 def _write_trace(directory, kernels):
