@@ -8,6 +8,7 @@ the top. Test file names are unique across folders (pytest's default import mode
 from __future__ import annotations
 
 import atexit
+import glob
 import importlib.util
 import os
 import shutil
@@ -30,7 +31,26 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 # environment still wins.
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402  (after the allocator setting above)
+
+def _no_accelerator() -> bool:
+    """No NVIDIA driver and no TPU device on this host, or JAX told to use the CPU."""
+    if os.environ.get("JAX_PLATFORMS", "").strip() == "cpu":
+        return True
+    return not os.path.exists("/proc/driver/nvidia/version") and not glob.glob("/dev/accel*")
+
+
+# On a CPU-only host (CI) the suite's time is mostly XLA:CPU compiling small programs, in this
+# process and in the subprocesses that inherit the environment. LLVM at optimisation level 0
+# compiles them faster and runs them slower, a net gain here (tests/models/rwkv7/test_model.py
+# 102 -> 70 s on two cores; the whole suite in benchmarks/RESULTS.md, "CPU test suite"). XLA:CPU
+# uses no fast-math at either level, and the TPU programs `lwm-jax compile` builds through
+# libtpu come out with the same memory and cost analyses. Not with an accelerator (its XLA
+# kernels would be compiled unoptimised), and an XLA_FLAGS that sets the level itself wins.
+if _no_accelerator() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(
+        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+
+import jax  # noqa: E402  (after the allocator and compiler settings above)
 import jax.extend  # noqa: E402
 import pytest  # noqa: E402
 
