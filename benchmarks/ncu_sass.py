@@ -82,7 +82,8 @@ def store_runs(instrs: list[dict], gap: int = 12) -> list[dict]:
 
 def summarize(instrs: list[dict], top: int = 20) -> dict:
     """Per-opcode mix and stalls, stall reasons, shared-memory excess by opcode, store runs."""
-    warps = max(instrs[0]["executed"], 1) if instrs else 1   # the first instruction runs once a warp
+    # the first instruction runs once a warp: its count is the number of warps
+    warps = max(instrs[0]["executed"], 1) if instrs else 1
     samples = sum(i["samples"] for i in instrs) or 1
     by_op: dict[str, dict] = {}
     reasons_all: collections.Counter = collections.Counter()
@@ -134,8 +135,9 @@ def main(argv=None):
     for o in s["opcodes"]:
         print(f"  {o['opcode']:10s} {o['per_warp']:8.0f} {o['sample_pct']:9.1f}  " + ", ".join(
             f"{k} {v}" for k, v in o["reasons_pct"].items()))
+    share = 100 * s["shared_excess"] / max(s["shared_wavefronts"], 1)
     print(f"shared-memory wavefronts {s['shared_wavefronts']:,}, of them bank-conflict excess "
-          f"{s['shared_excess']:,} ({100 * s['shared_excess'] / max(s['shared_wavefronts'], 1):.0f}%)")
+          f"{s['shared_excess']:,} ({share:.0f}%)")
     for o in s["shared_by_opcode"][:8]:
         print(f"  {o['opcode']:10s} {o['wavefronts']:>14,} wavefronts, ideal {o['ideal']:>14,}, "
               f"excess {o['excess']:>14,}")

@@ -18,9 +18,9 @@ away (they differ only where the 13 dropped bits are exactly one half: the same 
 Use: pass a `RoundedTF32` (`ROUNDED[DEFAULT or HIGH]`) as the precision of `tile_dots.mm` /
 `mm_tn` / `mm_nt` inside a Pallas-Triton kernel compiled for a GPU of compute capability >= 9.0
 (`kernel_precision` decides; the WKV op's chunk-parallel launches ask it, the sequential ones
-keep the plain precision); it needs this module's lowering rule for Pallas-Triton, registered on import through
-JAX's lowering table (`available()` says whether that worked; where it did not, callers keep the
-plain TF32 dot and XLA's rounding).
+keep the plain precision); it needs this module's lowering rule for Pallas-Triton, registered
+on import through JAX's lowering table (`available()` says whether that worked; where it did
+not, callers keep the plain TF32 dot and XLA's rounding).
 """
 from __future__ import annotations
 
