@@ -342,7 +342,8 @@ def cmd_ptxas(args):
     (`xla_tf32_rounding`, unless --no-xla-rounding); `Tuning.round_tf32` defaults to True here
     (the kernels' own rounding, what the op does on sm_90). Triton's own pipeline links the
     libdevice calls (`exp`, `log`) here, XLA's does on the device: a change to those is not
-    predicted by these counts (benchmarks/NOTES-wkv7.md, 2026-11-29)."""
+    predicted by these counts (benchmarks/NOTES-wkv7.md, 2026-11-29). `benchmarks/ttir_lines.py`
+    maps a written kernel's SASS instructions back to its TTIR lines and product operands."""
     import os
     import subprocess
     jax, jnp = _jax()
