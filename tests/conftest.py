@@ -46,9 +46,13 @@ def _no_accelerator() -> bool:
 # uses no fast-math at either level, and the TPU programs `lwm-jax compile` builds through
 # libtpu come out with the same memory and cost analyses. Not with an accelerator (its XLA
 # kernels would be compiled unoptimised), and an XLA_FLAGS that sets the level itself wins.
-if _no_accelerator() and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(
-        [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
+# A subprocess given XLA_FLAGS of its own (a device count) gets them from `subprocess_env`,
+# which keeps this level; the same fixture leaves it out for a subprocess that mostly runs.
+_LEVEL_0 = "--xla_backend_optimization_level=0"
+_SETS_LEVEL_0 = (_no_accelerator()
+                 and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""))
+if _SETS_LEVEL_0:
+    os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), _LEVEL_0]).strip()
 
 import jax  # noqa: E402  (after the allocator and compiler settings above)
 import jax.extend  # noqa: E402
@@ -183,6 +187,29 @@ def benchmark_script():
     """`load(name) -> module`: the script `benchmarks/<name>.py`, imported by path (benchmarks/
     is a folder of scripts, not a package)."""
     return _benchmark_script
+
+
+def _subprocess_env(n_devices: int = 1, *, optimised: bool = False,
+                    **extra: str) -> dict[str, str]:
+    flags = [flag for flag in os.environ.get("XLA_FLAGS", "").split()
+             if not flag.startswith("--xla_force_host_platform_device_count")
+             and not (optimised and _SETS_LEVEL_0 and flag == _LEVEL_0)]
+    if n_devices > 1:
+        flags.append(f"--xla_force_host_platform_device_count={n_devices}")
+    return {**os.environ, "XLA_FLAGS": " ".join(flags), **extra}
+
+
+@pytest.fixture(scope="session")
+def subprocess_env():
+    """`env(n_devices=1, optimised=False, **extra) -> dict`: this process's environment for a
+    subprocess that runs JAX on the CPU, with `extra` added. XLA_FLAGS keeps the run's flags
+    (the optimisation level set above) with `--xla_force_host_platform_device_count=n_devices`
+    in place of any device count (none for one device): an XLA_FLAGS of the device count alone
+    ran those subprocesses at XLA:CPU's default level, tests/train/test_sharding.py in 207 s
+    instead of 156 s on a 2-core CPU. `optimised=True` leaves out the level set above (XLA:CPU's
+    default level; a level the environment set itself is kept), for a subprocess that runs
+    more than it compiles."""
+    return _subprocess_env
 
 
 @pytest.fixture(params=["interpret"] + (["compiled"] if ON_GPU else []))

@@ -1,7 +1,6 @@
 """The embedding lookup: when its gradient is reduced by gathering tokens, and that the gathered
 gradient equals the plain one while the compiled step all-reduces no `[V, C]` table."""
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -70,9 +69,8 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_gathered_gradient_equals_the_plain_one_and_reduces_no_table():
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4",
-               JAX_PLATFORMS="cpu")
+def test_gathered_gradient_equals_the_plain_one_and_reduces_no_table(subprocess_env):
+    env = subprocess_env(4, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -112,9 +112,8 @@ def _run(env, compiled=False):
 
 
 @pytest.mark.slow
-def test_fused_kernels_run_per_device_and_match_one_device():
-    _run(dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-              JAX_PLATFORMS="cpu", KERNEL_IMPL="interpret"))
+def test_fused_kernels_run_per_device_and_match_one_device(subprocess_env):
+    _run(subprocess_env(8, JAX_PLATFORMS="cpu", KERNEL_IMPL="interpret"))
 
 
 @pytest.mark.gpu

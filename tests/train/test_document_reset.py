@@ -150,11 +150,10 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def test_sharded_batch_resets_documents_like_one_device():
+def test_sharded_batch_resets_documents_like_one_device(subprocess_env):
     """data=2 x sequence=2 on 4 CPU devices: the segment ids are split like the tokens (the
     WKV runs sequence-parallel, documents starting inside either half of the window)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(4, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, os.path.dirname(__file__)],
                           env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

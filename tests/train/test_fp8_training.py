@@ -145,7 +145,7 @@ MESH_DRIVER = textwrap.dedent(r"""
 """)
 
 
-def test_fp8_state_on_a_mesh_matches_one_device():
+def test_fp8_state_on_a_mesh_matches_one_device(subprocess_env):
     """3 fp8-mixed steps on data 2 x fsdp 2 (4 CPU devices: batch split, parameters sharded)
     match one CPU device: the loss, every scale, and every amax the first step records (an
     amax taken per shard instead of over the whole tensor would differ); the scaling state is
@@ -161,8 +161,7 @@ def test_fp8_state_on_a_mesh_matches_one_device():
     over = [*SMALL, "precision=fp8-mixed"]
 
     def run(devices, extra):
-        env = {**os.environ, "JAX_PLATFORMS": "cpu",
-               "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+        env = subprocess_env(devices, JAX_PLATFORMS="cpu")
         proc = subprocess.run([sys.executable, "-c", MESH_DRIVER, json.dumps([*over, *extra])],
                               env=env, capture_output=True, text=True, timeout=600, cwd=REPO)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

@@ -59,9 +59,8 @@ DRIVER = textwrap.dedent("""
 """)
 
 
-def _compiled(config, scan, mesh, devices):
-    env = {**os.environ, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
-           "JAX_PLATFORMS": "cpu"}
+def _compiled(env_of, config, scan, mesh, devices):
+    env = env_of(devices, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, f"{REPO}/configs/{config}.yaml", scan,
                            mesh], env=env, capture_output=True, text=True, timeout=300, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -73,14 +72,14 @@ def _compiled(config, scan, mesh, devices):
 @pytest.mark.parametrize("config,scan", [("tiny", "false"), ("tiny", "true"),
                                          ("llama-tiny", "false"), ("llama-tiny", "true"),
                                          ("rwkv7-hybrid-tiny", "false")])  # (no hybrid scan)
-def test_fsdp_step_moves_no_activations(config, scan):
-    out = _compiled(config, scan, "1,2,1", 2)
+def test_fsdp_step_moves_no_activations(config, scan, subprocess_env):
+    out = _compiled(subprocess_env, config, scan, "1,2,1", 2)
     assert out["moved"] == [], out["moved"]
     assert out["in_loop"] == [], out["in_loop"]
 
 
 @pytest.mark.parametrize("mesh", ["2,1,1", "1,2,2", "1,1,2"])   # data, fsdp, sequence
-def test_fused_loss_loop_moves_nothing(mesh):
+def test_fused_loss_loop_moves_nothing(mesh, subprocess_env):
     """Data parallel, FSDP x sequence, sequence alone (RWKV-7, layer scan)."""
-    out = _compiled("tiny", "true", mesh, 2 if mesh != "1,2,2" else 4)
+    out = _compiled(subprocess_env, "tiny", "true", mesh, 2 if mesh != "1,2,2" else 4)
     assert out["in_loop"] == [], out["in_loop"]

@@ -169,16 +169,14 @@ print(json.dumps(out))
 """
 
 
-def test_fused_loss_grouped_by_device_equals_ungrouped():
+def test_fused_loss_grouped_by_device_equals_ungrouped(subprocess_env):
     """On 4 CPU devices (data x fsdp, fsdp x sequence) the per-device accumulators of the
     fused loss give the value and gradients of the one-accumulator loop (float32 summation
     order apart), and the value of a float64 reference."""
     import json
-    import os
     import subprocess
     import sys
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+    env = subprocess_env(4, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", GROUPED_DRIVER], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -27,10 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _env(devices: int, **extra) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("LWM_")}
-    env.update(JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", **extra)
+def _env(subprocess_env, devices: int, **extra) -> dict:
+    env = {k: v for k, v in subprocess_env(devices).items() if not k.startswith("LWM_")}
+    env.update(JAX_PLATFORMS="cpu", **extra)
     return env
 
 
@@ -57,12 +56,13 @@ def _records(run_dir):
 
 
 @pytest.mark.slow
-def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
-    one = _finish(_train(tmp_path / "one", _env(2), "mesh.data=2"))
+def test_two_processes_train_like_one_process_with_two_devices(tmp_path, subprocess_env):
+    one = _finish(_train(tmp_path / "one", _env(subprocess_env, 2), "mesh.data=2"))
     assert "resumed" not in one
 
     port = _free_port()
-    procs = [_train(tmp_path / "two", _env(1, LWM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+    procs = [_train(tmp_path / "two", _env(subprocess_env, 1,
+                                           LWM_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                            LWM_NUM_PROCESSES="2", LWM_PROCESS_ID=str(i)),
                     "mesh.data=2", "--stop-after", "4")
              for i in range(2)]
@@ -72,7 +72,7 @@ def test_two_processes_train_like_one_process_with_two_devices(tmp_path):
     assert "lwm-jax train:" not in outs[1]            # process 1 reports nothing of the run
 
     # the rest of the run on ONE process with one device, from the two-process checkpoint
-    rest = _finish(_train(tmp_path / "two", _env(1), "mesh.data=1"))
+    rest = _finish(_train(tmp_path / "two", _env(subprocess_env, 1), "mesh.data=1"))
     assert "resumed at step 4" in rest
 
     base, split = _records(tmp_path / "one"), _records(tmp_path / "two")

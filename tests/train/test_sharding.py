@@ -7,7 +7,6 @@ pure-sequence step compiled a second time for its HLO, the pure-sequence step of
 run, the single-device step of the resumed run) is loaded, not recompiled. A program loaded
 from the cache is the one compiled: what a run computes does not depend on it."""
 import json
-import os
 import re
 import subprocess
 import sys
@@ -122,10 +121,8 @@ DRIVER = textwrap.dedent(r"""
 """)
 
 
-def _run_driver(driver, n_devices, compile_dir, *args):
-    flags = f"--xla_force_host_platform_device_count={n_devices}" if n_devices > 1 else ""
-    env = {**os.environ, "XLA_FLAGS": flags, "JAX_PLATFORMS": "cpu",
-           "JAX_COMPILATION_CACHE_DIR": compile_dir}
+def _run_driver(driver, env_of, n_devices, compile_dir, *args):
+    env = env_of(n_devices, JAX_PLATFORMS="cpu", JAX_COMPILATION_CACHE_DIR=compile_dir)
     proc = subprocess.run([sys.executable, "-c", driver, *map(str, args)], env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
@@ -159,21 +156,23 @@ def data(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data, compile_dir):
+def reference(tmp_path_factory, data, compile_dir, subprocess_env):
     """`RUN` trained on one device, from a fresh start: (metadata, parameters)."""
     out_dir = tmp_path_factory.mktemp("sharding-reference")
-    _run_driver(DRIVER, 1, compile_dir, out_dir, data, json.dumps(RUN), "1")
+    _run_driver(DRIVER, subprocess_env, 1, compile_dir, out_dir, data, json.dumps(RUN), "1")
     return _load(out_dir, "1")
 
 
 @pytest.mark.slow
-def test_8_device_meshes_match_one_device(tmp_path, data, compile_dir, reference):
+def test_8_device_meshes_match_one_device(tmp_path, data, compile_dir, reference,
+                                          subprocess_env):
     """Pure data, fsdp x tensor (parameters and moments sharded), data x tensor x sequence,
     fsdp x sequence and pure sequence meshes over 8 devices: the same losses, validation loss
     and parameters as one device (batch 8); with a `sequence` axis every layer's WKV runs
     sequence-parallel (4-token slices at sequence 8)."""
     meshes = ["8,1,1,1", "1,4,2,1", "2,1,2,2", "1,2,1,4", "1,1,1,8"]
-    _run_driver(DRIVER, 8, compile_dir, tmp_path, data, json.dumps(RUN), *meshes)
+    _run_driver(DRIVER, subprocess_env, 8, compile_dir, tmp_path, data, json.dumps(RUN),
+                *meshes)
     ref, ref_params = reference
     assert ref["steps"] == list(range(1, STEPS + 1))
     assert ref["losses"][2] < ref["losses"][0]                              # it learns
@@ -236,11 +235,13 @@ RESHARD_DRIVER = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_checkpoint_saved_on_one_mesh_resumes_on_another_and_on_one_device(tmp_path, data,
                                                                              compile_dir,
-                                                                             reference):
+                                                                             reference,
+                                                                             subprocess_env):
     """Saved sharded on (data 2, fsdp 4), restored onto (sequence 8) and onto one device: both
     continue with the losses of an uninterrupted single-device run (the `reference`)."""
     for phase, n in (("save", 8), ("resume", 1)):
-        _run_driver(RESHARD_DRIVER, n, compile_dir, tmp_path, data, json.dumps(RUN), phase)
+        _run_driver(RESHARD_DRIVER, subprocess_env, n, compile_dir, tmp_path, data,
+                    json.dumps(RUN), phase)
     on_8 = {int(k): v for k, v in json.load(open(tmp_path / "save.json")).items()}
     on_1 = {int(k): v for k, v in json.load(open(tmp_path / "resume.json")).items()}
     plain = dict(zip(reference[0]["steps"], reference[0]["losses"]))

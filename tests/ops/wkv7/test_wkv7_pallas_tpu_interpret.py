@@ -17,7 +17,6 @@ tests/train/test_sharding.py):
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -78,9 +77,8 @@ DRIVER = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-           "JAX_PLATFORMS": "cpu"}
+def results(subprocess_env):
+    env = subprocess_env(4, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER], env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]

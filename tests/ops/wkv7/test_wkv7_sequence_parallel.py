@@ -12,7 +12,6 @@ bf16 inputs (measured: at most 6e-5, both round one float32 result to bf16 once)
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
@@ -144,9 +143,8 @@ DRIVER = textwrap.dedent("""
 
 
 @pytest.fixture(scope="module")
-def results():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8",
-           "JAX_PLATFORMS": "cpu"}
+def results(subprocess_env):
+    env = subprocess_env(8, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(CASES)], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
