@@ -113,9 +113,9 @@ def run_speed(op, args):
     fwd = jax.jit(lambda xs: op(*xs))
 
     @jax.jit
-    def fwdbwd(xs, do):
+    def fwdbwd(xs, do):   # the outputs too, as `benchmarks/wkv7.py`'s `_vjp_fn` returns them
         o, vjp = jax.vjp(lambda xs: op(*xs), xs)
-        return vjp(do.astype(o.dtype))[0]
+        return o, vjp(do.astype(o.dtype))[0]
 
     for i, (B, T, H, D) in enumerate(OURS.SHAPES):
         if args.shape_index is not None and i not in args.shape_index:
