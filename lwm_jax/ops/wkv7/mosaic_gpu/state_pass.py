@@ -198,8 +198,9 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
             pl.when(c > 0)(lambda: o_out(o_prev, c - 1))
             return _products((chain, out))
 
-        def narrow_out_step(c, s, o_prev):
-            """Chunk c of the narrow output chain, S_c's bf16 tiles in buffer c % 2: the
+        def narrow_out_step(c, _, o_prev):
+            """Chunk c of the narrow output chain, S_c's bf16 tiles in buffer c % 2 (S_c itself,
+            the carry, is not read: only the last state leaves, as the final one): the
             chain's products are issued, then the outputs'; the next state is awaited alone,
             split and stored into the other buffer while the outputs' products (which read
             this one) still run, and chunk c - 1's outputs leave while all of them run."""
