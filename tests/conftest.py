@@ -205,10 +205,10 @@ def subprocess_env():
     subprocess that runs JAX on the CPU, with `extra` added. XLA_FLAGS keeps the run's flags
     (the optimisation level set above) with `--xla_force_host_platform_device_count=n_devices`
     in place of any device count (none for one device): an XLA_FLAGS of the device count alone
-    ran those subprocesses at XLA:CPU's default level, tests/train/test_sharding.py in 207 s
-    instead of 156 s on a 2-core CPU. `optimised=True` leaves out the level set above (XLA:CPU's
-    default level; a level the environment set itself is kept), for a subprocess that runs
-    more than it compiles."""
+    would run those subprocesses at XLA:CPU's default level, compiling slower (figures:
+    benchmarks/RESULTS.md, "CPU test suite"). `optimised=True` leaves out the level set above
+    (XLA:CPU's default level; a level the environment set itself is kept), for a subprocess
+    that runs more than it compiles."""
     return _subprocess_env
 
 

@@ -6,11 +6,11 @@ claims the notebooks make, fails the test with the cell and its traceback. The e
 not written back: notebooks are committed without outputs.
 
 XLA:CPU's optimisation level (tests/conftest.py sets 0: compiling is faster, running slower)
-follows what each notebook spends its time on. quickstart mostly compiles and keeps level 0
-(24 s, against 30 s at the default level, on a 2-core CPU). precision_study mostly runs
-(40-step training curves, WKV scans over 16384 tokens) and gets XLA:CPU's default level, the
-one a user's kernel has (83 s, against 107 s at level 0). The level changes no result a
-notebook asserts: XLA:CPU uses no fast-math at either level.
+follows what each notebook spends its time on (timings: benchmarks/RESULTS.md, "CPU test
+suite"). quickstart mostly compiles and keeps level 0. precision_study mostly runs (40-step
+training curves, WKV scans over 16384 tokens) and gets XLA:CPU's default level, the one a
+user's kernel has. The level changes no result a notebook asserts: XLA:CPU uses no fast-math
+at either level.
 """
 from __future__ import annotations
 
