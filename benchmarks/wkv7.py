@@ -10,9 +10,9 @@ Subcommands (run on a GPU machine; each prints JSON lines, then a short table):
   peer --inputs F --out G   FLA's chunk_rwkv7 outputs/gradients on the same saved inputs
                             (needs torch + fla-core; imported only here, never by the kernel).
   compare --acc F --peer G  gradient errors of ours and FLA side by side (same inputs).
-  speed [--chunk C --tuning JSON] [--recurrent]
-                            fwd and fwd+bwd ms on the 4 anchor shapes (bf16) and the pure-JAX
-                            `recurrent` at (8,4096,12,64).
+  speed [--chunk C --tuning JSON --shapes S] [--recurrent]
+                            fwd and fwd+bwd ms on the 4 anchor shapes (or --shapes "B,T,H,D;...",
+                            bf16) and the pure-JAX `recurrent` at (8,4096,12,64).
   precision --names P ...   per kernel precision, float32 inputs: compile seconds and fwd+bwd ms at
                             (8, 4096, 12, 64), and forward / gradient rel. error vs float64 at
                             (1, 1024, 4, 64). Compile time is what a user of the `fp32` policy
@@ -228,7 +228,9 @@ def cmd_speed(args):
 
     if not args.no_shapes:
         tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
-        for i, (B, T, H, D) in enumerate(SHAPES):
+        shapes = SHAPES if args.shapes is None else [
+            tuple(int(x) for x in one.split(",")) for one in args.shapes.split(";")]
+        for i, (B, T, H, D) in enumerate(shapes):
             if args.shape_index is None or i in args.shape_index:
                 run(B, T, H, D, args.chunk, tune)
     if args.recurrent:
@@ -470,6 +472,8 @@ def main(argv=None):
     a.add_argument("--tuning", default=None, help="JSON dict of Tuning fields")
     a.add_argument("--shape-index", type=int, nargs="*", default=None,
                    help="run only these entries of SHAPES (default: all)")
+    a.add_argument("--shapes", default=None,
+                   help='"B,T,H,D;..." to run instead of SHAPES (e.g. a model\'s own shape)')
     a = sub.add_parser("precision")
     a.add_argument("--names", nargs="+", default=["default", "tf32x3", "highest"])
     a.add_argument("--chunk", type=int, default=32)

@@ -80,15 +80,15 @@ def _forward_out_standin(calls):
     fewer, as the chunk launch writes it for each."""
     forward = _forward_standin([])
 
-    def forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64):
-        calls.append("forward_out")
+    def forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64, with_states=False):
+        calls.append("forward_out" + ("+states" if with_states else ""))
         states, sT = forward(M_hi, M_lo, D, s0, block_v=block_v)
         O0 = O0.swapaxes(-1, -2) if block_v == 64 else O0
         o = jnp.einsum("nclk,nckv->nclv", _pair(Q_hi, Q_lo), states, precision=_HI) + O0
         BH, NT, Cc, V = o.shape
         B = BH // H
         o = o.reshape(B, H, NT * Cc, V).transpose(0, 2, 1, 3).astype(jnp.bfloat16)
-        return o, sT
+        return (o, states, sT) if with_states else (o, sT)
     return forward_out
 
 
@@ -146,6 +146,23 @@ def test_standin_chains_give_the_triton_paths_outputs_and_gradients():
                                                   chains=ch), xs, s0, do, dsT)
     got, want = run(_chains(calls, True)), run(None)
     assert sorted(set(calls)) == ["backward", "forward"]
+    diffs = [rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, want)]
+    assert max(diffs) < 1e-4, diffs
+
+
+@_needs_xla_cpu
+@pytest.mark.parametrize("block_v", [64, 16])
+def test_chain_outputs_under_the_gradient_give_the_same_outputs_and_gradients(block_v):
+    """`Tuning.chain_outputs`: with the gradient the forward chain writes the outputs beside
+    the chunk states (O0 transposed at 64 value columns per CTA), no `out_fwd`; every output
+    and gradient equals the Triton path's to the bf16 pairs' 16 bits."""
+    xs, s0, seg, do, dsT = _problem(5, 2, 83, 2, 64)
+    calls = []
+    tune = Tuning(block_v_chain=block_v, chain_outputs=True)
+    got = _vjp(lambda xs, s0: wkv7_gpu(*xs, s0, seg, 32, interpret=True, tuning=tune,
+                                       chains=_chains(calls, True)), xs, s0, do, dsT)
+    want = _vjp(lambda xs, s0: wkv7_gpu(*xs, s0, seg, 32, interpret=True), xs, s0, do, dsT)
+    assert sorted(set(calls)) == ["backward", "forward_out+states"]
     diffs = [rel_err(x.astype(_F32), y.astype(_F32)) for x, y in zip(got, want)]
     assert max(diffs) < 1e-4, diffs
 
@@ -227,6 +244,12 @@ def test_mosaic_chains_match_float64_chains(block_v):
     rounding = rel_err(jnp.asarray(want_o, jnp.bfloat16).astype(_F32), want_o)
     errs_o = {"final": rel_err(sT_o, S.reshape(sT.shape)), "o": rel_err(o.astype(_F32), want_o)}
     assert errs_o["final"] < 2e-5 and errs_o["o"] < 1.05 * rounding + 1e-5, (errs_o, rounding)
+    # and writing both: the same outputs, bit for bit, and the chunk states as above
+    o2, states2, sT2 = sp.forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=H,
+                                          block_v=block_v, with_states=True)
+    assert np.array_equal(np.asarray(o2.astype(_F32)), np.asarray(o.astype(_F32)))
+    assert np.array_equal(np.asarray(sT2), np.asarray(sT_o))
+    assert rel_err(states2, want_states) < 2e-5
 
 
 @pytest.mark.gpu
@@ -241,14 +264,15 @@ def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V, block
     ref_o, ref_s, ref_g = wkv7_reference_vjp_f64(xs, s0, seg, np.asarray(do, np.float64), dsT)
     refs = [ref_o, ref_s, *[ref_g[n] for n in "rwkvab"], ref_g["initial_state"]]
     errs = {}
-    for chains in ("triton", "mosaic"):
-        tune = Tuning(chains=chains, block_v_chain=block_v if chains == "mosaic" else None)
+    for chains in ("triton", "mosaic", "mosaic+o"):
+        tune = Tuning(chains=chains.split("+")[0], chain_outputs=chains == "mosaic+o",
+                      block_v_chain=None if chains == "triton" else block_v)
         fn = lambda xs, s0: wkv7_pallas(*xs, s0, seg, 32, tuning=tune)  # noqa: E731
         errs[chains] = [rel_err(x.astype(_F32), r) for x, r in zip(_vjp(fn, xs, s0, do, dsT),
                                                                    refs)]
         o, sT = fn(xs, s0)   # forward-only ("mosaic": the chain writing the outputs)
         errs[chains + " fwd"] = [rel_err(o.astype(_F32), ref_o), rel_err(sT, ref_s)]
-    for suffix in ("", " fwd"):
-        got, base = errs["mosaic" + suffix], errs["triton" + suffix]
+    for name in ("mosaic", "mosaic fwd", "mosaic+o", "mosaic+o fwd"):
+        got, base = errs[name], errs["triton fwd" if name.endswith(" fwd") else "triton"]
         assert max(got) < 5e-3, errs
         assert all(m <= 1.02 * t + 1e-6 for m, t in zip(got, base)), errs

@@ -2,6 +2,7 @@
 
     states, final = forward_states(M_hi, M_lo, D, s0)
     o, final = forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0_t, s0, H=H)
+    o, states, final = forward_outputs(..., with_states=True)
     dS_end, ds0 = backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H)
 
 They replace the Pallas-Triton `seq_fwd` and `seq_bwd` launches (`pallas_gpu/launches.py`),
@@ -55,10 +56,11 @@ _STAGES = 3   # chunks of maps in flight (the one in use and the next two)
 _C = 32       # chunk length the Triton chunk launches use
 
 
-def _state_out(x, stage, slot, dst):
+def _state_out(x, stage, slot, dst, pending=1):
     """Stores the float32 [64, BV] register tile `x` into staging tile `slot` and sends it to
-    `dst` (HBM) by TMA; the staging tile used two stores ago must have been read out."""
-    plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+    `dst` (HBM) by TMA; the staging tile used two stores ago must have been read out, with
+    `pending` later stores (the chain's stores per step, of either kind) still in flight."""
+    plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
     stage.at[slot][...] = x
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(stage.at[slot], dst)
@@ -109,10 +111,11 @@ def _zero_ring(tiles):
     plgpu.commit_smem()
 
 
-def _forward_kernel(BH, NT, H, with_out, BV=64):
+def _forward_kernel(BH, NT, H, with_out, BV=64, with_states=False):
     """The forward chain over value columns [j BV, (j + 1) BV) of each head (grid B x H x
     64 / BV). It writes every chunk's start state (for the backward), or with `with_out` every
-    chunk's outputs o_c = Q_c S_c + O0_c instead, formed beside the chain's product of the
+    chunk's outputs o_c = Q_c S_c + O0_c instead (and with `with_states` as well, both leaving
+    by TMA while the step's products run), formed beside the chain's product of the
     same step: at BV = 64 transposed (o_c^T = S_c^T Q_c^T + O0_c^T: the state's bf16 tiles are
     the A operand, 64 value rows, N = C tokens), at narrower blocks as Q_c S_c with Q_c in the
     upper half of a 64-row tile whose lower half (and O0's) stays zero (wgmma needs 64 rows)."""
@@ -120,10 +123,14 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
     C = _C
     narrow = BV < 64
     val = (64, BV)
+    both = with_out and with_states
+    pending = 2 if both else 1   # TMA stores a step issues
 
     def body(*refs):
-        n_in = 7 if with_out else 4
-        ins, (x_ref, sT_ref), scratch = refs[:n_in], refs[n_in:n_in + 2], refs[n_in + 2:]
+        n_in, n_out = (7 if with_out else 4), (3 if both else 2)
+        ins, outs, scratch = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
+        x_ref, sT_ref = outs[0], outs[-1]
+        st_ref = outs[1] if both else x_ref
         mh_ref, ml_ref, d_ref = ins[:3]
         mh, ml, ds = scratch[:3]
         if with_out:
@@ -159,7 +166,7 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
         def o_out(o, c):
             """Chunk c's outputs leave as o [C, BV]; the staging tile used two chunks ago
             must have been read."""
-            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
             if narrow:
                 o_stage.at[c % 2][...] = o.astype(BF16)
                 src = o_stage.at[c % 2, top]
@@ -196,14 +203,17 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
             # chunk c - 1's outputs leave before chunk c's products are issued (the narrow
             # chain's overlapped step, `narrow_out_step`, measured 0-4% slower in this form)
             pl.when(c > 0)(lambda: o_out(o_prev, c - 1))
-            return _products((chain, out))
+            if not both:
+                return _products((chain, out))
+            return _products((chain, out), lambda: _state_out(s, stage, c % 2,
+                                                              st_ref.at[bh, c, :, cols], 2))
 
-        def narrow_out_step(c, _, o_prev):
+        def narrow_out_step(c, s, o_prev):
             """Chunk c of the narrow output chain, S_c's bf16 tiles in buffer c % 2 (S_c itself,
-            the carry, is not read: only the last state leaves, as the final one): the
-            chain's products are issued, then the outputs'; the next state is awaited alone,
-            split and stored into the other buffer while the outputs' products (which read
-            this one) still run, and chunk c - 1's outputs leave while all of them run."""
+            the carry, is read only to store it, with `with_states`): the chain's products
+            are issued, then the outputs'; the next state is awaited alone, split and stored
+            into the other buffer while the outputs' products (which read this one) still
+            run, and chunk c - 1's outputs (and S_c) leave while all of them run."""
             slot, b = c % _STAGES, c % 2
             sh, sl = s_hi.at[b], s_lo.at[b]
 
@@ -222,6 +232,8 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
                 for a, b_ in out:
                     plgpu.wgmma(acc_o, a, b_)
                 pl.when(c > 0)(lambda: o_out(o_prev, c - 1))
+                if both:
+                    _state_out(s, stage, c % 2, st_ref.at[bh, c, :, cols], 2)
                 nxt = plgpu.wgmma_accumulator_load(acc_s, wait_n=len(out))
                 hi_, lo_ = split(nxt)
                 s_hi.at[1 - b][...] = hi_
@@ -254,12 +266,11 @@ def _forward_kernel(BH, NT, H, with_out, BV=64):
     elif with_out:
         tiles += [ring((C, 64)), ring((C, 64)), ring((64, C), F32),         # Q hi / lo, O0^T
                   swizzled((2, C, 64))]                                    # o staging
-    if with_out:
-        first = jax.ShapeDtypeStruct((B, NT * C, H, 64), BF16)
-    else:
-        first = jax.ShapeDtypeStruct((BH, NT) + TILE, F32)
-    out_type = (first, jax.ShapeDtypeStruct((B, H) + TILE, F32))
-    name = "wkv7_mosaic_seq_fwd" + ("_out" if with_out else "")
+    states = jax.ShapeDtypeStruct((BH, NT) + TILE, F32)
+    out_type = ((jax.ShapeDtypeStruct((B, NT * C, H, 64), BF16),) if with_out else ()) \
+        + ((states,) if with_states or not with_out else ()) \
+        + (jax.ShapeDtypeStruct((B, H) + TILE, F32),)
+    name = "wkv7_mosaic_seq_fwd" + ("_out" if with_out else "") + ("_states" if both else "")
     return _launch(body, tiles, 6 if with_out else 3, B, H, out_type, name, BV,
                    state_buffers=2 if with_out and narrow else 1)
 
@@ -389,13 +400,14 @@ def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H, block_v=64):
     return _backward_kernel(BH, NT, H, block_v)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(F32))
 
 
-@functools.partial(jax.jit, static_argnames=("H", "block_v"))
-def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64):
-    """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`),
-    `block_v` value columns per CTA. `Q_hi, Q_lo` [BH, NT, 32, 64] bfloat16 (a `split_bf16`
-    pair); `O0` float32, each chunk's O0 transposed [BH, NT, 64, 32] (value rows, token
-    columns) at `block_v` = 64, else as is [BH, NT, 32, 64]. Returns `(o [B, NT * 32, H, 64]
-    bfloat16, final_state [B, H, 64, 64] float32)`."""
+@functools.partial(jax.jit, static_argnames=("H", "block_v", "with_states"))
+def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64, with_states=False):
+    """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`), or
+    with `with_states` both, `block_v` value columns per CTA. `Q_hi, Q_lo` [BH, NT, 32, 64]
+    bfloat16 (a `split_bf16` pair); `O0` float32, each chunk's O0 transposed [BH, NT, 64, 32]
+    (value rows, token columns) at `block_v` = 64, else as is [BH, NT, 32, 64]. Returns `(o
+    [B, NT * 32, H, 64] bfloat16[, states [BH, NT, 64, 64] float32], final_state [B, H, 64,
+    64] float32)`."""
     check_maps("forward_outputs", M_hi, M_lo, D)
     _check_block("forward_outputs", block_v)
     BH, NT = M_hi.shape[:2]
@@ -406,5 +418,5 @@ def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64):
         if x.shape != shape or (x.dtype != dt and name != "s0"):
             raise ValueError(f"forward_outputs: {name} must be {dt.__name__} {shape}, got "
                              f"{x.dtype} {x.shape}")
-    return _forward_kernel(BH, NT, H, True, BV=block_v)(M_hi, M_lo, D, Q_hi, Q_lo, O0,
-                                                        s0.astype(F32))
+    return _forward_kernel(BH, NT, H, True, BV=block_v, with_states=with_states)(
+        M_hi, M_lo, D, Q_hi, Q_lo, O0, s0.astype(F32))

@@ -56,6 +56,8 @@ class Tuning(NamedTuple):
                                     # picks by the measured rule (`mosaic_chains`)
     round_tf32: bool | None = None  # TF32 dot operands rounded by the kernels, one instruction
                                     # each (`tf32_round`), not by XLA's pass; None: on sm_90+
+    chain_outputs: bool | None = None  # with the gradient, the Mosaic forward chain writes the
+                                       # outputs beside the chunk states (else `out_fwd` does)
 
 
 _BWD_FORMS = {"rows": tiles.intra_backward, "stacked": tiles_bwd_stacked.intra_backward_stacked}
@@ -78,7 +80,10 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     64 heads, 64 at 96 (`benchmarks/wkv7.py sweep` times the launches; figures in
     benchmarks/RESULTS-log.md). The Mosaic chains follow the same rule (16 value columns per
     CTA at 32 heads, 32 at 64, 64 from 96 on an H200: the chain's step is latency-bound, and
-    narrower columns shorten it while the CTAs still fit one wave).
+    narrower columns shorten it while the CTAs still fit one wave). Where the gradient is taken,
+    the forward chain writes the outputs beside the chunk states at 32 and 64 value columns
+    per CTA (no `out_fwd` launch); at 16 the extra store lengthens the chain's step by more
+    than `out_fwd` costs.
     """
     tune = tune or Tuning()
     small = C <= 32
@@ -95,6 +100,7 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
     block_v = min(tune.block_v or (one_wave((16, 32, 64)) if split_out
                                    else full_wave((64, 32, 16))), V)
     form = pick(tune.bwd_form, "stacked" if small else "rows")
+    block_v_chain = pick(tune.block_v_chain, one_wave((16, 32, 64)))
     if form not in _BWD_FORMS:
         raise ValueError(f"Tuning.bwd_form must be one of {sorted(_BWD_FORMS)}, got {form!r}")
     return Tuning(
@@ -103,8 +109,8 @@ def resolve(tune: Tuning | None, C: int, BH: int, V: int,
         warps_bwd=pick(tune.warps_bwd, 8 if form == "rows" else 4),
         stages_seq=pick(tune.stages_seq, 3), split_bwd=pick(tune.split_bwd, not small),
         split_out=split_out, bwd_form=form,
-        block_v_chain=pick(tune.block_v_chain, one_wave((16, 32, 64))), chains=tune.chains,
-        round_tf32=tune.round_tf32)
+        block_v_chain=block_v_chain, chains=tune.chains, round_tf32=tune.round_tf32,
+        chain_outputs=pick(tune.chain_outputs, block_v_chain >= 32))
 
 
 def _sm_count(default: int = 132) -> int:

@@ -42,11 +42,12 @@ class Chains(NamedTuple):
     (states, final)`, `backward(M_hi, M_lo, Q_hi, Q_lo, do, dsT, H=H, block_v=bv) -> (dS_end,
     d_s0)` and `forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=H, block_v=bv) -> (o, final)`
     (the forward chain writing the outputs instead of the chunk states; O0 transposed, [BH, NT,
-    V, C], at bv = 64), with M and Q as `tile_dots.split_bf16` pairs, K = V = 64, C = 32, `do`
-    and `o` bfloat16 (the caller checks), bv = `Tuning.block_v_chain` value columns per CTA.
-    Where the gradient is taken `forward` (then the Triton `out_fwd` for the outputs) and
-    `backward` run; `primal`: forward-only calls run `forward_out` (else the Triton
-    launches)."""
+    V, C], at bv = 64; with `with_states=True` it writes both: `(o, states, final)`), with M
+    and Q as `tile_dots.split_bf16` pairs, K = V = 64, C = 32, `do` and `o` bfloat16 (the
+    caller checks), bv = `Tuning.block_v_chain` value columns per CTA. Where the gradient is
+    taken `backward` runs after `forward_out(..., with_states=True)` or, as
+    `Tuning.chain_outputs` says, after `forward` and the Triton `out_fwd`; `primal`:
+    forward-only calls run `forward_out` (else the Triton launches)."""
     forward: Callable
     backward: Callable
     forward_out: Callable
@@ -74,17 +75,18 @@ def _forward(r, w, k, v, a, b, s0, n, cfg, want_inv):
     kw = _kw(cfg)
     if cfg.chains is not None:
         # Forward-only, the chain writes the outputs itself. With the gradient it writes the
-        # chunk states and `out_fwd` the outputs: one chain writing both measured slower
-        # (benchmarks/NOTES-wkv7.md).
-        outputs, bv = not want_inv, cfg.tune.block_v_chain
+        # chunk states too, or (`chain_outputs` off: the narrowest value blocks, where that
+        # measured slower) only them, and `out_fwd` the outputs (benchmarks/NOTES-wkv7.md).
+        bv = cfg.tune.block_v_chain
+        outputs = not want_inv or cfg.tune.chain_outputs
         M_hi, M_lo, D, Q_hi, Q_lo, O0, *inv = launches.intra_fwd(
             r, w, k, v, a, b, n, want_inv=want_inv, split_mq=True, o0_t=outputs and bv == 64,
             **kw)
         M, Q = (M_hi, M_lo), (Q_hi, Q_lo)
         if outputs:
-            o, sT = cfg.chains.forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=cfg.H,
-                                           block_v=bv)
-            return (o, sT, M, Q, None)
+            o, *states, sT = cfg.chains.forward_out(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=cfg.H,
+                                                    block_v=bv, with_states=want_inv)
+            return (o, sT, M, Q, *(states or [None]), *inv)
         states, sT = cfg.chains.forward(M_hi, M_lo, D, s0, block_v=bv)
         o = launches.out_fwd(Q, O0, states, out_dtype=cfg.out_dtype, **kw)
         return (o, sT, M, Q, states, *inv)
