@@ -50,10 +50,11 @@ __all__ = ["wkv7_pallas", "wkv7_pallas_pair", "pallas_pair_applies", "wkv7_gpu",
 
 # Where the gradient is taken both Mosaic chains run (faster than the Triton launches at the
 # four anchor shapes, 32-512 heads: their forward writes the chunk states the backward needs,
-# and the outputs too as `Tuning.chain_outputs` says; benchmarks/RESULTS.md). Forward-only calls run the Mosaic forward chain that writes the outputs
-# from this many heads (B * H) on: 0.18-1.56 ms against the Triton forward's 0.29-1.69 ms at
-# 32-512 heads (H200, 2026-11-28), and with 16 value columns per CTA 8-22% faster than Triton's
-# at 12-24 heads (2026-11-29; `benchmarks/wkv7_state_pass.py`); fewer heads are unmeasured.
+# and the outputs too as `Tuning.chain_outputs` says; benchmarks/RESULTS.md). Forward-only
+# calls run the Mosaic forward chain that writes the outputs from this many heads (B * H) on:
+# 0.18-1.56 ms against the Triton forward's 0.29-1.69 ms at 32-512 heads (H200, 2026-11-28),
+# and with 16 value columns per CTA 8-22% faster than Triton's at 12-24 heads (2026-11-29;
+# `benchmarks/wkv7_state_pass.py`); fewer heads are unmeasured.
 MOSAIC_PRIMAL_MIN_HEADS = 12
 
 

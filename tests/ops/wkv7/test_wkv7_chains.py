@@ -257,8 +257,9 @@ def test_mosaic_chains_match_float64_chains(block_v):
 @pytest.mark.parametrize("block_v", [64, 16])
 def test_op_with_mosaic_chains_is_no_less_accurate_than_triton(B, T, H, V, block_v):
     """The whole op (bf16, documents, an initial state) with the Mosaic chains (`block_v`
-    value columns per CTA) against float64: every output and gradient error at most 2% above
-    the Triton chains' (same call), and within bf16 rounding (5e-3)."""
+    value columns per CTA; under the gradient the forward chain writing the chunk states, then
+    `out_fwd`, or writing both: "mosaic+o") against float64: every output and gradient error
+    at most 2% above the Triton chains' (same call), and within bf16 rounding (5e-3)."""
     _mosaic_or_skip()
     xs, s0, seg, do, dsT = _problem(4, B, T, H, V)
     ref_o, ref_s, ref_g = wkv7_reference_vjp_f64(xs, s0, seg, np.asarray(do, np.float64), dsT)

@@ -240,3 +240,8 @@ def test_sequential_launch_defaults_leave_one_program_per_sm():
     assert [resolve(None, 32, bh, 64, sm_count=132).block_v_chain
             for bh in (8, 32, 64, 96, 512)] == [16, 16, 32, 64, 64]
     assert resolve(Tuning(block_v_chain=64), 32, 32, 64, sm_count=132).block_v_chain == 64
+    # with the gradient the forward chain writes the outputs too, from 32 columns per CTA
+    assert [resolve(None, 32, bh, 64, sm_count=132).chain_outputs
+            for bh in (8, 32, 64, 96, 512)] == [False, False, True, True, True]
+    assert not resolve(Tuning(block_v_chain=64, chain_outputs=False), 32, 96, 64).chain_outputs
+    assert resolve(Tuning(block_v_chain=64), 32, 32, 64, sm_count=132).chain_outputs
