@@ -130,7 +130,7 @@ def _forward_kernel(BH, NT, H, with_out, BV=64, with_states=False):
         n_in, n_out = (7 if with_out else 4), (3 if both else 2)
         ins, outs, scratch = refs[:n_in], refs[n_in:n_in + n_out], refs[n_in + n_out:]
         x_ref, sT_ref = outs[0], outs[-1]
-        st_ref = outs[1] if both else x_ref
+        st_ref = outs[1] if both else None   # chunk states beside the outputs
         mh_ref, ml_ref, d_ref = ins[:3]
         mh, ml, ds = scratch[:3]
         if with_out:
@@ -203,10 +203,10 @@ def _forward_kernel(BH, NT, H, with_out, BV=64, with_states=False):
             # chunk c - 1's outputs leave before chunk c's products are issued (the narrow
             # chain's overlapped step, `narrow_out_step`, measured 0-4% slower in this form)
             pl.when(c > 0)(lambda: o_out(o_prev, c - 1))
-            if not both:
-                return _products((chain, out))
-            return _products((chain, out), lambda: _state_out(s, stage, c % 2,
-                                                              st_ref.at[bh, c, :, cols], 2))
+
+            def send():   # S_c leaves beside the outputs while the step's products run
+                _state_out(s, stage, c % 2, st_ref.at[bh, c, :, cols], pending)
+            return _products((chain, out), send if both else None)
 
         def narrow_out_step(c, s, o_prev):
             """Chunk c of the narrow output chain, S_c's bf16 tiles in buffer c % 2 (S_c itself,
@@ -233,7 +233,7 @@ def _forward_kernel(BH, NT, H, with_out, BV=64, with_states=False):
                     plgpu.wgmma(acc_o, a, b_)
                 pl.when(c > 0)(lambda: o_out(o_prev, c - 1))
                 if both:
-                    _state_out(s, stage, c % 2, st_ref.at[bh, c, :, cols], 2)
+                    _state_out(s, stage, c % 2, st_ref.at[bh, c, :, cols], pending)
                 nxt = plgpu.wgmma_accumulator_load(acc_s, wait_n=len(out))
                 hi_, lo_ = split(nxt)
                 s_hi.at[1 - b][...] = hi_
