@@ -1,5 +1,6 @@
-"""benchmarks/ttir_lines.py on a synthetic `nvdisasm -g` listing and TTIR: instructions counted
-per TTIR line and opcode, and each line named as the product operand it feeds."""
+"""The offline SASS tools on synthetic inputs: benchmarks/ttir_lines.py (instructions counted per
+TTIR line and opcode, each line named as the product operand it feeds) and the TF32 operand
+rounding benchmarks/wkv7_ptxas.py puts into the TTIR as XLA's Triton pipeline does."""
 from __future__ import annotations
 
 import pytest
@@ -69,3 +70,22 @@ def test_attribute_keeps_the_chosen_opcodes_and_names_the_line(tl):
 def test_missing_ttir_is_a_one_line_error(tl, tmp_path):
     with pytest.raises(SystemExit, match="no such file; write it with"):
         tl.main([str(tmp_path / "none.ttir"), "--triton-site", str(tmp_path)])
+
+
+def test_xla_rounding_wraps_only_unmarked_float32_tf32_dots(benchmark_script):
+    """`wkv7_ptxas.xla_tf32_rounding`: what XLA's Triton pipeline adds before the offline compile.
+    A float32 TF32 `tt.dot` gets its two operands rounded (ties away) and reads the rounded values;
+    a bf16 dot and every other line pass through unchanged."""
+    ptx = benchmark_script("wkv7_ptxas")
+    f32 = ("    %5 = tt.dot %1, %2, %3, inputPrecision = tf32 : tensor<64x64xf32> * "
+           "tensor<64x64xf32> -> tensor<64x64xf32>")
+    bf16 = ("    %6 = tt.dot %7, %8, %5, inputPrecision = tf32 : tensor<64x64xbf16> * "
+            "tensor<64x64xbf16> -> tensor<64x64xf32>")
+    out = ptx.xla_tf32_rounding("\n".join(["module {", f32, bf16, "}"])).splitlines()
+    assert out[0] == "module {" and out[-1] == "}" and out[-2] == bf16 and len(out) == 6
+    round_a, round_b, dot = out[1:4]
+    assert "cvt.rna.tf32.f32" in round_a and round_a.strip().startswith("%xla_rna_a1 = ")
+    assert round_a.endswith("%1 : tensor<64x64xf32> -> tensor<64x64xf32>")
+    assert round_b.strip().startswith("%xla_rna_b1 = ") and " %2 : " in round_b
+    assert dot.strip().startswith("%5 = tt.dot %xla_rna_a1, %xla_rna_b1, %3, ")
+    assert dot.endswith("tensor<64x64xf32> * tensor<64x64xf32> -> tensor<64x64xf32>")
