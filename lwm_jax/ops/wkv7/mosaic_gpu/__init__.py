@@ -4,9 +4,10 @@
 
 `state_pass.py` holds the chunk chains the GPU op runs on Hopper (`lwm_jax.ops.wkv7.pallas`
 takes them when `mosaic_chains` says so): the forward chain (chunk states, or the outputs in
-forward-only calls) and the backward chain of state cotangents. `pair_maps.py` holds the chunk
-maps in the chains' format, two chunks per CTA (exact, but not wired: slower than the Triton
-chunk launch). `tiles.py` is what both share.
+forward-only calls) and the backward chain of state cotangents; `output_chain.py` the
+forward-only output chain at 16 or 32 value columns per CTA on two warpgroups. `pair_maps.py`
+holds the chunk maps in the chains' format, two chunks per CTA (exact, but not wired: slower
+than the Triton chunk launch). `tiles.py` is what they share.
 
 Needs jax >= 0.11 (its `jax.experimental.pallas.mosaic_gpu` API); on older jax importing this
 package raises an ImportError that says so (`lwm_jax.ops.wkv7.pallas` then keeps the Triton

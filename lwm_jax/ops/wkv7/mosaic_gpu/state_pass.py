@@ -35,7 +35,8 @@ a 64-row tile whose upper half, and Q's, stay zero); the outputs are three more 
 the same step, o_c^T = S_c^T Q_c^T + O0_c^T (S's bf16 tiles read transposed; with narrower
 blocks o_c = Q_c S_c + O0_c, Q_c in the upper half of a 64-row tile, and the step waits for
 the chain's products alone: the next state is split into a second pair of bf16 tiles while
-the outputs' products still read the first). TMA brings the maps of the next `_STAGES - 1`
+the outputs' products still read the first; without the chunk states that narrow form runs on
+two warpgroups, `output_chain.py`). TMA brings the maps of the next `_STAGES - 1`
 chunks while a chunk runs; every chunk's state (or outputs) leaves through TMA from one of two
 staging tiles, stored while the step's products are in flight. Both operands of every product
 come from shared memory, so the accumulator is the only large register array (no wgmma
@@ -400,10 +401,13 @@ def backward_states(M_hi, M_lo, Q_hi, Q_lo, do, dsT, *, H, block_v=64):
     return _backward_kernel(BH, NT, H, block_v)(M_hi, M_lo, Q_hi, Q_lo, do, dsT.astype(F32))
 
 
-@functools.partial(jax.jit, static_argnames=("H", "block_v", "with_states"))
-def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64, with_states=False):
+@functools.partial(jax.jit, static_argnames=("H", "block_v", "with_states", "warp_specialized"))
+def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64, with_states=False,
+                    warp_specialized=True):
     """Forward chain writing the outputs instead of the chunk states (`_forward_kernel`), or
-    with `with_states` both, `block_v` value columns per CTA. `Q_hi, Q_lo` [BH, NT, 32, 64]
+    with `with_states` both, `block_v` value columns per CTA. At 16 or 32 columns without the
+    states it runs on two warpgroups (`output_chain.py`: the same outputs bit for bit, measured
+    faster) unless `warp_specialized` is False. `Q_hi, Q_lo` [BH, NT, 32, 64]
     bfloat16 (a `split_bf16` pair); `O0` float32, each chunk's O0 transposed [BH, NT, 64, 32]
     (value rows, token columns) at `block_v` = 64, else as is [BH, NT, 32, 64]. Returns `(o
     [B, NT * 32, H, 64] bfloat16[, states [BH, NT, 64, 64] float32], final_state [B, H, 64,
@@ -418,5 +422,8 @@ def forward_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, *, H, block_v=64, with_st
         if x.shape != shape or (x.dtype != dt and name != "s0"):
             raise ValueError(f"forward_outputs: {name} must be {dt.__name__} {shape}, got "
                              f"{x.dtype} {x.shape}")
+    if warp_specialized and block_v < 64 and not with_states:
+        from lwm_jax.ops.wkv7.mosaic_gpu.output_chain import warp_specialized_outputs
+        return warp_specialized_outputs(M_hi, M_lo, D, Q_hi, Q_lo, O0, s0, H=H, block_v=block_v)
     return _forward_kernel(BH, NT, H, True, BV=block_v, with_states=with_states)(
         M_hi, M_lo, D, Q_hi, Q_lo, O0, s0.astype(F32))
