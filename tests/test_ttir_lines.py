@@ -75,14 +75,18 @@ def test_missing_ttir_is_a_one_line_error(tl, tmp_path):
 def test_xla_rounding_wraps_only_unmarked_float32_tf32_dots(benchmark_script):
     """`wkv7_ptxas.xla_tf32_rounding`: what XLA's Triton pipeline adds before the offline compile.
     A float32 TF32 `tt.dot` gets its two operands rounded (ties away) and reads the rounded values;
-    a bf16 dot and every other line pass through unchanged."""
+    a dot marked `tf32_arguments_rounded` (the kernels' own rounding), a bf16 dot and every other
+    line pass through unchanged."""
     ptx = benchmark_script("wkv7_ptxas")
     f32 = ("    %5 = tt.dot %1, %2, %3, inputPrecision = tf32 : tensor<64x64xf32> * "
            "tensor<64x64xf32> -> tensor<64x64xf32>")
     bf16 = ("    %6 = tt.dot %7, %8, %5, inputPrecision = tf32 : tensor<64x64xbf16> * "
             "tensor<64x64xbf16> -> tensor<64x64xf32>")
-    out = ptx.xla_tf32_rounding("\n".join(["module {", f32, bf16, "}"])).splitlines()
-    assert out[0] == "module {" and out[-1] == "}" and out[-2] == bf16 and len(out) == 6
+    marked = ("    %9 = tt.dot %1, %2, %3, inputPrecision = tf32 {tf32_arguments_rounded} : "
+              "tensor<32x64xf32> * tensor<64x32xf32> -> tensor<32x32xf32>")
+    out = ptx.xla_tf32_rounding("\n".join(["module {", f32, bf16, marked, "}"])).splitlines()
+    assert out[0] == "module {" and out[-1] == "}" and out[-3:-1] == [bf16, marked]
+    assert len(out) == 7
     round_a, round_b, dot = out[1:4]
     assert "cvt.rna.tf32.f32" in round_a and round_a.strip().startswith("%xla_rna_a1 = ")
     assert round_a.endswith("%1 : tensor<64x64xf32> -> tensor<64x64xf32>")
