@@ -47,6 +47,18 @@ SHAPES = [(8, 4096, 12, 64), (4, 4096, 32, 64), (1, 32768, 32, 64), (16, 2048, 3
 NAMES = ("r", "w", "k", "v", "a", "b")
 
 
+def shape_list(text: str) -> list[tuple[int, int, int, int]]:
+    """`--shapes`: "B,T,H,D;..." -> [(B, T, H, D), ...], four positive integers each."""
+    shapes = []
+    for one in text.split(";"):
+        parts = one.split(",")
+        if len(parts) != 4 or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(
+                f"{one!r} is not B,T,H,D (four positive integers); write e.g. \"8,4096,12,64\"")
+        shapes.append(tuple(int(p) for p in parts))
+    return shapes
+
+
 def emit(**kw):
     print(json.dumps(kw), flush=True)
 
@@ -227,8 +239,7 @@ def cmd_speed(args):
 
     if not args.no_shapes:
         tune = Tuning(**json.loads(args.tuning)) if args.tuning else None
-        shapes = SHAPES if args.shapes is None else [
-            tuple(int(x) for x in one.split(",")) for one in args.shapes.split(";")]
+        shapes = SHAPES if args.shapes is None else args.shapes
         for i, (B, T, H, D) in enumerate(shapes):
             if args.shape_index is None or i in args.shape_index:
                 run(B, T, H, D, args.chunk, tune)
@@ -400,7 +411,7 @@ def main(argv=None):
     a.add_argument("--tuning", default=None, help="JSON dict of Tuning fields")
     a.add_argument("--shape-index", type=int, nargs="*", default=None,
                    help="run only these entries of SHAPES (default: all)")
-    a.add_argument("--shapes", default=None,
+    a.add_argument("--shapes", default=None, type=shape_list,
                    help='"B,T,H,D;..." to run instead of SHAPES (e.g. a model\'s own shape)')
     a = sub.add_parser("precision")
     a.add_argument("--names", nargs="+", default=["default", "tf32x3", "highest"])
